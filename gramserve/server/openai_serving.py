@@ -1,0 +1,340 @@
+"""The OpenAI layer: chat and text completions on top of the TokenizerManager, streaming and not.
+
+`n > 1` fans out into n engine requests (seed + i when seeded) whose streams are merged by choice index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from gramserve.messages import TokenLogprob
+from gramserve.sampling.params import SamplingParams
+from gramserve.server import protocol as P
+from gramserve.server.tokenizer_manager import GenerateOutput, InvalidRequestError, TokenizerManager
+
+MAX_TOP_LOGPROBS = 20
+
+
+def _finish_reason(out: GenerateOutput) -> str | None:
+    if out.finished is None:
+        return None
+    return {"stop": "stop", "length": "length", "abort": "abort"}.get(out.finished.type, out.finished.type)
+
+
+def sampling_from_request(req: P._SamplingFields, max_tokens: int | None) -> SamplingParams:
+    stop = req.stop
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    try:
+        bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
+    except ValueError as exc:
+        raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias") from exc
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        min_new_tokens=req.min_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k in (None, 0) else req.top_k,
+        min_p=req.min_p or 0.0,
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        seed=req.seed,
+        logit_bias=bias,
+        stop=stops,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def _params_for_choice(base: SamplingParams, i: int) -> SamplingParams:
+    if base.seed is None or i == 0:
+        return base
+    from dataclasses import replace
+
+    return replace(base, seed=base.seed + i)
+
+
+def sse(data: Any) -> str:
+    body = data.model_dump_json(exclude_none=False) if hasattr(data, "model_dump_json") else json.dumps(data)
+    return f"data: {body}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, tm: TokenizerManager, model_name: str, max_n: int):
+        self.tm = tm
+        self.model_name = model_name
+        self.max_n = max_n
+
+    # --- shared helpers ---------------------------------------------------------------------------
+
+    def _check_common(self, req: P._SamplingFields) -> None:
+        if not 1 <= req.n <= self.max_n:
+            raise InvalidRequestError(f"n must be between 1 and {self.max_n}, got {req.n}", "n")
+        if req.stream_options is not None and not req.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
+
+    async def _merged(self, input_ids: list[int], params: SamplingParams, n: int, rid: str,
+                      logprobs: int | None, is_disconnected) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        """Run n engine requests and yield (choice index, output) as they arrive."""
+        for i in range(n):  # validate before anything is sent, so errors are clean 400s
+            _params_for_choice(params, i).validate(self.tm.vocab_size)
+        self.tm.check_lengths(input_ids, params)
+        gens = [
+            self.tm.generate(input_ids, _params_for_choice(params, i), rid=f"{rid}-{i}",
+                             return_logprob=logprobs is not None, top_logprobs=logprobs or 0,
+                             is_disconnected=is_disconnected)
+            for i in range(n)
+        ]
+        if n == 1:
+            async for out in gens[0]:
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, gen) -> None:
+            try:
+                async for out in gen:
+                    await queue.put((i, out))
+            except Exception as exc:  # noqa: BLE001 - surfaced to the consumer below
+                await queue.put((i, exc))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+        try:
+            done = 0
+            while done < n:
+                i, item = await queue.get()
+                if item is None:
+                    done += 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for g in gens:
+                await g.aclose()
+
+    def _usage(self, prompt_tokens: int, completion: int, cached: int) -> P.UsageInfo:
+        return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                           total_tokens=prompt_tokens + completion,
+                           prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
+
+    def _chat_logprobs(self, lps: list[TokenLogprob]) -> list[P.ChatLogprobToken]:
+        items = []
+        for lp in lps:
+            tok = self.tm.token_text(lp.token_id)
+            items.append(P.ChatLogprobToken(
+                token=tok, logprob=lp.logprob, bytes=list(tok.encode("utf-8")),
+                top_logprobs=[P.TopLogprob(token=(t := self.tm.token_text(i)), logprob=v, bytes=list(t.encode()))
+                              for i, v in lp.top],
+            ))
+        return items
+
+    # --- chat ---------------------------------------------------------------------------------
+
+    def _chat_input(self, req: P.ChatCompletionRequest) -> list[int]:
+        messages = []
+        for m in req.messages:
+            d = m.model_dump(exclude_none=True)
+            if isinstance(m.content, list):
+                texts = []
+                for part in m.content:
+                    if part.type != "text":
+                        raise InvalidRequestError(f"content part type {part.type!r} is not supported by this model",
+                                                  "messages")
+                    texts.append(part.text or "")
+                d["content"] = "".join(texts)
+            messages.append(d)
+        if not messages:
+            raise InvalidRequestError("messages must not be empty", "messages")
+        return self.tm.apply_chat_template(messages, req.add_generation_prompt, req.continue_final_message,
+                                           **(req.chat_template_kwargs or {}))
+
+    def _chat_params(self, req: P.ChatCompletionRequest) -> tuple[SamplingParams, int | None]:
+        self._check_common(req)
+        top = None
+        if req.logprobs:
+            top = req.top_logprobs or 0
+            if not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+        elif req.top_logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = sampling_from_request(req, max_tokens)
+        params.validate(self.tm.vocab_size)
+        return params, top
+
+    async def chat(self, req: P.ChatCompletionRequest, is_disconnected) -> P.ChatCompletionResponse:
+        params, top = self._chat_params(req)
+        input_ids = self._chat_input(req)
+        rid = P.random_id("chatcmpl")
+        texts = [""] * req.n
+        lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
+        finals: list[GenerateOutput | None] = [None] * req.n
+        async for i, out in self._merged(input_ids, params, req.n, rid, top, is_disconnected):
+            texts[i] += out.text
+            if out.logprobs:
+                lps[i] += out.logprobs
+            finals[i] = out
+        choices = []
+        for i, out in enumerate(finals):
+            choices.append(P.ChatChoice(
+                index=i, message=P.ChatResponseMessage(content=texts[i]),
+                logprobs=P.ChatLogprobs(content=self._chat_logprobs(lps[i])) if top is not None else None,
+                finish_reason=_finish_reason(out), matched_stop=out.finished.matched if out.finished else None,
+            ))
+        completion = sum(o.completion_tokens for o in finals)
+        usage = self._usage(finals[0].prompt_tokens, completion, finals[0].cached_tokens)
+        return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
+
+    async def chat_stream(self, req: P.ChatCompletionRequest, is_disconnected) -> AsyncIterator[str]:
+        """Validates eagerly (errors raise before the first byte), then returns the SSE stream."""
+        params, top = self._chat_params(req)
+        input_ids = self._chat_input(req)
+        self.tm.check_lengths(input_ids, params)
+        rid = P.random_id("chatcmpl")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        merged = self._merged(input_ids, params, req.n, rid, top, is_disconnected)
+
+        async def stream() -> AsyncIterator[str]:
+            totals = [0] * req.n
+            prompt = cached = 0
+            usage_none = None
+            for i in range(req.n):
+                yield sse(P.ChatCompletionChunk(id=rid, model=self.model_name, usage=usage_none, choices=[
+                    P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))]))
+            try:
+                async for i, out in merged:
+                    totals[i], prompt, cached = out.completion_tokens, out.prompt_tokens, out.cached_tokens
+                    if not out.text and out.finished is None and not out.logprobs:
+                        continue
+                    choice = P.ChatStreamChoice(
+                        index=i, delta=P.DeltaMessage(content=out.text or None) if out.text else P.DeltaMessage(),
+                        logprobs=P.ChatLogprobs(content=self._chat_logprobs(out.logprobs or []))
+                        if top is not None else None,
+                        finish_reason=_finish_reason(out),
+                        matched_stop=out.finished.matched if out.finished else None)
+                    usage = self._usage(prompt, totals[i], cached) if continuous else None
+                    yield sse(P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[choice], usage=usage))
+                if include_usage:
+                    yield sse(P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[],
+                                                    usage=self._usage(prompt, sum(totals), cached)))
+            except InvalidRequestError as exc:
+                yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param}})
+            yield "data: [DONE]\n\n"
+
+        return stream()
+
+    # --- completions --------------------------------------------------------------------------
+
+    def _completion_prompts(self, req: P.CompletionRequest) -> list[list[int]]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [self.tm.encode(p)]
+        if not p:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        if all(isinstance(x, str) for x in p):
+            return [self.tm.encode(x) for x in p]
+        if all(isinstance(x, list) for x in p):
+            return [list(x) for x in p]
+        raise InvalidRequestError("prompt must be a string, a list of strings, or token ids", "prompt")
+
+    def _completion_params(self, req: P.CompletionRequest) -> SamplingParams:
+        self._check_common(req)
+        if req.logprobs is not None and not 0 <= req.logprobs <= 5:
+            raise InvalidRequestError("logprobs must be in [0, 5] for completions", "logprobs")
+        if req.echo:
+            raise InvalidRequestError("echo is not supported", "echo")
+        if req.suffix:
+            raise InvalidRequestError("suffix is not supported", "suffix")
+        params = sampling_from_request(req, 16 if req.max_tokens is None else req.max_tokens)
+        params.validate(self.tm.vocab_size)
+        return params
+
+    def _completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> P.CompletionLogprobs:
+        out = P.CompletionLogprobs()
+        for lp in lps:
+            tok = self.tm.token_text(lp.token_id)
+            out.tokens.append(tok)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({self.tm.token_text(i): v for i, v in lp.top})
+            out.text_offset.append(offset)
+            offset += len(tok)
+        return out
+
+    async def completions(self, req: P.CompletionRequest, is_disconnected) -> P.CompletionResponse:
+        params = self._completion_params(req)
+        prompts = self._completion_prompts(req)
+        rid = P.random_id("cmpl")
+        choices, prompt_total, completion_total, cached_total = [], 0, 0, 0
+        for pi, ids in enumerate(prompts):  # several prompts run concurrently; choices ordered by prompt
+            self.tm.check_lengths(ids, params)
+
+        async def one(pi: int, ids: list[int]):
+            texts = [""] * req.n
+            lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
+            finals: list[GenerateOutput | None] = [None] * req.n
+            async for i, out in self._merged(ids, params, req.n, f"{rid}-{pi}", req.logprobs, is_disconnected):
+                texts[i] += out.text
+                lps[i] += out.logprobs or []
+                finals[i] = out
+            return texts, lps, finals
+
+        results = await asyncio.gather(*(one(pi, ids) for pi, ids in enumerate(prompts)))
+        for pi, (texts, lps, finals) in enumerate(results):
+            prompt_total += finals[0].prompt_tokens
+            cached_total += finals[0].cached_tokens
+            for i in range(req.n):
+                completion_total += finals[i].completion_tokens
+                choices.append(P.CompletionChoice(
+                    index=pi * req.n + i, text=texts[i],
+                    logprobs=self._completion_logprobs(lps[i], 0) if req.logprobs is not None else None,
+                    finish_reason=_finish_reason(finals[i]),
+                    matched_stop=finals[i].finished.matched if finals[i].finished else None))
+        return P.CompletionResponse(id=rid, model=self.model_name, choices=choices,
+                                    usage=self._usage(prompt_total, completion_total, cached_total))
+
+    async def completions_stream(self, req: P.CompletionRequest, is_disconnected) -> AsyncIterator[str]:
+        params = self._completion_params(req)
+        prompts = self._completion_prompts(req)
+        if len(prompts) != 1:
+            raise InvalidRequestError("streaming supports a single prompt", "prompt")
+        ids = prompts[0]
+        self.tm.check_lengths(ids, params)
+        rid = P.random_id("cmpl")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        merged = self._merged(ids, params, req.n, rid, req.logprobs, is_disconnected)
+
+        async def stream() -> AsyncIterator[str]:
+            totals = [0] * req.n
+            offsets = [0] * req.n
+            prompt = cached = 0
+            try:
+                async for i, out in merged:
+                    totals[i], prompt, cached = out.completion_tokens, out.prompt_tokens, out.cached_tokens
+                    if not out.text and out.finished is None:
+                        continue
+                    lp = None
+                    if req.logprobs is not None:
+                        lp = self._completion_logprobs(out.logprobs or [], offsets[i])
+                    offsets[i] += len(out.text)
+                    yield sse(P.CompletionResponse(id=rid, model=self.model_name, choices=[P.CompletionChoice(
+                        index=i, text=out.text, logprobs=lp, finish_reason=_finish_reason(out),
+                        matched_stop=out.finished.matched if out.finished else None)]))
+                if include_usage:
+                    yield sse(P.CompletionResponse(id=rid, model=self.model_name, choices=[],
+                                                   usage=self._usage(prompt, sum(totals), cached)))
+            except InvalidRequestError as exc:
+                yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param}})
+            yield "data: [DONE]\n\n"
+
+        return stream()

@@ -1,0 +1,183 @@
+"""TokenizerManager: the main process's bridge to the scheduler.
+
+It tokenizes, checks lengths, sends TokenizedGenerateReq to the scheduler and turns the detokenizer's
+BatchTextOut messages back into a per-request async stream. A request whose consumer goes away
+(client disconnect, cancelled task) is aborted so its KV slots come back at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+
+from gramserve.config import ServerArgs
+from gramserve.ipc import SCHEDULER_IN, TOKENIZER_MANAGER_IN, pull_socket, push_socket
+from gramserve.messages import (
+    AbortReq, BatchTextOut, ControlReq, ControlResp, FinishReason, TokenizedGenerateReq, TokenLogprob,
+)
+from gramserve.sampling.params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """A request the client must fix; becomes a 400."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class GenerateOutput:
+    """One piece of a request's stream."""
+
+    text: str
+    token_ids: list[int]
+    finished: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    logprobs: list[TokenLogprob] | None
+
+
+@dataclass
+class _ReqState:
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, tokenizer, context_length: int, vocab_size: int):
+        self.args = args
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.vocab_size = vocab_size
+        self.ctx = zmq.asyncio.Context()
+        self.inbox = pull_socket(self.ctx, args.ipc_path(TOKENIZER_MANAGER_IN))
+        self.to_scheduler = push_socket(self.ctx, args.ipc_path(SCHEDULER_IN))
+        self.states: dict[str, _ReqState] = {}
+        self.control_waiters: dict[str, asyncio.Future] = {}
+        self._recv_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._recv_task is None:
+            self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+
+    # --- tokenization ------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, **kwargs) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message, **kwargs,
+            )
+        except Exception as exc:  # noqa: BLE001 - template errors are the client's message shapes
+            raise InvalidRequestError(f"cannot apply the chat template: {exc}", "messages") from exc
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # --- generation -----------------------------------------------------------------------------
+
+    def check_lengths(self, input_ids: list[int], sampling: SamplingParams) -> None:
+        n = len(input_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if any(not (0 <= t < self.vocab_size) for t in input_ids):
+            raise InvalidRequestError("prompt token ids must be within the vocabulary", "prompt")
+        if n >= self.context_length:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.context_length} tokens. "
+                f"However, your prompt has {n} tokens.", "messages")
+        if sampling.max_new_tokens is not None and n + sampling.max_new_tokens > self.context_length:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.context_length} tokens. However, you requested "
+                f"{n + sampling.max_new_tokens} tokens ({n} in the prompt, {sampling.max_new_tokens} for the "
+                f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
+                       return_logprob: bool = False, top_logprobs: int = 0,
+                       is_disconnected: Callable[[], Awaitable[bool]] | None = None
+                       ) -> AsyncIterator[GenerateOutput]:
+        """Stream one request's outputs. Raises InvalidRequestError before anything is sent."""
+        sampling.validate(self.vocab_size)
+        self.check_lengths(input_ids, sampling)
+        self.start()
+        rid = rid or uuid.uuid4().hex
+        if rid in self.states:
+            raise InvalidRequestError(f"duplicate request id {rid}", "rid")
+        state = _ReqState()
+        self.states[rid] = state
+        self.to_scheduler.send_pyobj(TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, top_logprobs))
+        try:
+            while True:
+                try:
+                    out = await asyncio.wait_for(state.queue.get(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    if is_disconnected is not None and await is_disconnected():
+                        logger.info("client of %s disconnected; aborting", rid)
+                        return
+                    continue
+                yield out
+                if out.finished is not None:
+                    state.finished = True
+                    return
+        finally:
+            self.states.pop(rid, None)
+            if not state.finished:
+                self.to_scheduler.send_pyobj(AbortReq(rid))
+
+    async def abort(self, rid: str) -> bool:
+        if rid not in self.states:
+            return False
+        self.to_scheduler.send_pyobj(AbortReq(rid))
+        return True
+
+    async def control(self, kind: str, timeout: float = 10.0) -> dict:
+        self.start()
+        qid = uuid.uuid4().hex
+        fut = asyncio.get_running_loop().create_future()
+        self.control_waiters[qid] = fut
+        self.to_scheduler.send_pyobj(ControlReq(qid, kind))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.control_waiters.pop(qid, None)
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await self.inbox.recv_pyobj()
+            try:
+                if isinstance(msg, BatchTextOut):
+                    self._dispatch(msg)
+                elif isinstance(msg, ControlResp):
+                    fut = self.control_waiters.get(msg.qid)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg.payload)
+                else:
+                    logger.error("unexpected message %r", type(msg))
+            except Exception:  # noqa: BLE001 - keep receiving for every other request
+                logger.exception("failed to dispatch a message")
+
+    def _dispatch(self, msg: BatchTextOut) -> None:
+        for i, rid in enumerate(msg.rids):
+            state = self.states.get(rid)
+            if state is None:
+                continue  # already gone (client left)
+            state.queue.put_nowait(GenerateOutput(
+                text=msg.text_deltas[i], token_ids=msg.new_token_ids[i], finished=msg.finished[i],
+                prompt_tokens=msg.prompt_tokens[i], completion_tokens=msg.completion_tokens[i],
+                cached_tokens=msg.cached_tokens[i], logprobs=msg.logprobs[i],
+            ))
