@@ -102,9 +102,12 @@ class Sampler:
         t = torch.tensor([max(x, 1e-5) for x in temps], dtype=logits.dtype, device=self.device)
         probs = torch.softmax(logits / t[:, None], dim=-1)
         probs = self._filter(probs, rows)
-        noise = torch.empty_like(probs)
+        noise = torch.empty_like(probs).exponential_()
         for i, r in enumerate(rows):
-            noise[i].exponential_(generator=r.generator)
+            if r.generator is not None:
+                # Seeded noise is drawn on the CPU (where the request's generator lives), so a seed gives
+                # the same tokens on every device.
+                noise[i] = torch.empty(probs.shape[-1]).exponential_(generator=r.generator).to(noise.device)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 

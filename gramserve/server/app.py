@@ -16,7 +16,7 @@ from gramserve.config import ServerArgs
 from gramserve.sampling.params import SamplingParams, SamplingParamsError
 from gramserve.server import protocol as P
 from gramserve.server.openai_serving import OpenAIServing
-from gramserve.server.tokenizer_manager import InvalidRequestError, TokenizerManager
+from gramserve.server.tokenizer_manager import ClientDisconnectedError, InvalidRequestError, TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,10 @@ def create_app(args: ServerArgs, tm: TokenizerManager, runner_info: dict) -> Fas
     async def _on_http(_: Request, exc: StarletteHTTPException):
         return error_response(exc.status_code, str(exc.detail),
                               err_type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
+
+    @app.exception_handler(ClientDisconnectedError)
+    async def _on_disconnect(_: Request, exc: ClientDisconnectedError):
+        return error_response(499, "client closed the request", err_type="client_closed_request")
 
     @app.exception_handler(Exception)
     async def _on_internal(_: Request, exc: Exception):
@@ -187,11 +191,14 @@ def create_app(args: ServerArgs, tm: TokenizerManager, runner_info: dict) -> Fas
         if req.stream:
             async def stream():
                 text, ids, lps = "", [], []
-                async for out in gen:
-                    text += out.text
-                    ids += out.token_ids
-                    lps += out.logprobs or []
-                    yield f"data: {json.dumps(payload(text, ids, out, lps))}\n\n"
+                try:
+                    async for out in gen:
+                        text += out.text
+                        ids += out.token_ids
+                        lps += out.logprobs or []
+                        yield f"data: {json.dumps(payload(text, ids, out, lps))}\n\n"
+                finally:
+                    await gen.aclose()
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(stream(), media_type="text/event-stream")

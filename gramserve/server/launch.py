@@ -6,6 +6,7 @@ exits non-zero; on Ctrl-C / SIGTERM the children are stopped too (and they exit 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -96,6 +97,14 @@ def launch_server(args: ServerArgs) -> int:
         shutil.rmtree(args.ipc_dir, ignore_errors=True)
 
 
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM/SIGINT after its shutdown, which would skip stopping our children."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
 def _serve(args: ServerArgs, tokenizer, runner_info: dict, procs: dict[str, mp.Process]) -> int:
     from gramserve.server.app import create_app
     from gramserve.server.tokenizer_manager import TokenizerManager
@@ -103,9 +112,18 @@ def _serve(args: ServerArgs, tokenizer, runner_info: dict, procs: dict[str, mp.P
     tm = TokenizerManager(args, tokenizer, runner_info["context_length"], runner_info["vocab_size"])
     app = create_app(args, tm, runner_info)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            timeout_keep_alive=30)
-    server = uvicorn.Server(config)
+                            timeout_keep_alive=30, timeout_graceful_shutdown=5)
+    server = _Server(config)
     dead: list[str] = []
+
+    def on_signal(signum, _frame) -> None:
+        logger.info("received %s; shutting down", signal.Signals(signum).name)
+        if server.should_exit:  # second Ctrl-C: stop waiting for in-flight requests
+            server.force_exit = True
+        server.should_exit = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
 
     def watchdog() -> None:
         while not server.should_exit:

@@ -89,8 +89,11 @@ class OpenAIServing:
             for i in range(n)
         ]
         if n == 1:
-            async for out in gens[0]:
-                yield 0, out
+            try:
+                async for out in gens[0]:
+                    yield 0, out
+            finally:
+                await gens[0].aclose()  # abort at once when our consumer goes away
             return
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -228,6 +231,8 @@ class OpenAIServing:
                                                     usage=self._usage(prompt, sum(totals), cached)))
             except InvalidRequestError as exc:
                 yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param}})
+            finally:
+                await merged.aclose()
             yield "data: [DONE]\n\n"
 
         return stream()
@@ -335,6 +340,8 @@ class OpenAIServing:
                                                    usage=self._usage(prompt, sum(totals), cached)))
             except InvalidRequestError as exc:
                 yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param}})
+            finally:
+                await merged.aclose()
             yield "data: [DONE]\n\n"
 
         return stream()

@@ -25,6 +25,8 @@ from gramserve.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request checks that its client is still there
+
 
 class InvalidRequestError(ValueError):
     """A request the client must fix; becomes a 400."""
@@ -32,6 +34,10 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class ClientDisconnectedError(Exception):
+    """The HTTP client went away; the request was aborted."""
 
 
 @dataclass
@@ -121,14 +127,20 @@ class TokenizerManager:
         state = _ReqState()
         self.states[rid] = state
         self.to_scheduler.send_pyobj(TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, top_logprobs))
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + DISCONNECT_CHECK_S
         try:
             while True:
                 try:
-                    out = await asyncio.wait_for(state.queue.get(), timeout=1.0)
+                    out = await asyncio.wait_for(state.queue.get(), timeout=DISCONNECT_CHECK_S)
                 except asyncio.TimeoutError:
-                    if is_disconnected is not None and await is_disconnected():
+                    out = None
+                if is_disconnected is not None and loop.time() >= next_check:
+                    next_check = loop.time() + DISCONNECT_CHECK_S
+                    if await is_disconnected():
                         logger.info("client of %s disconnected; aborting", rid)
-                        return
+                        raise ClientDisconnectedError(rid)
+                if out is None:
                     continue
                 yield out
                 if out.finished is not None:

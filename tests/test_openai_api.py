@@ -1,0 +1,267 @@
+"""The OpenAI API through the official SDK against the real server with the default model."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import wait_pool_whole
+
+CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+
+
+def test_models(client, model_name):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model_name]
+    assert models.data[0].max_model_len == 8192
+
+
+def test_chat_greedy(client, model_name):
+    resp = client.chat.completions.create(model=model_name, messages=CHAT, temperature=0, max_tokens=30)
+    choice = resp.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason == "stop"
+    assert resp.usage.prompt_tokens > 20
+    assert resp.usage.completion_tokens > 0
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    again = client.chat.completions.create(model=model_name, messages=CHAT, temperature=0, max_tokens=30)
+    assert again.choices[0].message.content == choice.message.content
+
+
+def test_chat_length_and_content_parts(client, model_name):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "Write a long story about a dragon."}]}]
+    resp = client.chat.completions.create(model=model_name, messages=msgs, max_tokens=5, temperature=0)
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 5
+
+
+def test_chat_stream_matches_non_stream(client, model_name):
+    full = client.chat.completions.create(model=model_name, messages=CHAT, temperature=0, max_tokens=20)
+    stream = client.chat.completions.create(model=model_name, messages=CHAT, temperature=0, max_tokens=20,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stream_sse_framing(base_url, model_name):
+    body = {"model": model_name, "messages": CHAT, "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        assert line.startswith("data: ")
+        chunk = json.loads(line[6:])
+        assert chunk["object"] == "chat.completion.chunk"
+
+
+def test_completions_text_and_token_prompt(client, model_name, base_url):
+    resp = client.completions.create(model=model_name, prompt="The quick brown fox", max_tokens=8, temperature=0)
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 8
+    native = httpx.post(base_url + "/generate", json={
+        "text": "The quick brown fox", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    assert native["meta_info"]["prompt_tokens"] == resp.usage.prompt_tokens
+    assert native["text"] == resp.choices[0].text
+    by_ids = client.completions.create(model=model_name, prompt=native["output_ids"][:0] + [504, 2365], max_tokens=4,
+                                       temperature=0)
+    assert by_ids.usage.prompt_tokens == 2 and by_ids.usage.completion_tokens == 4
+
+
+def test_completions_batch_prompts_and_stream(client, model_name):
+    resp = client.completions.create(model=model_name, prompt=["One, two,", "Red, green,"], max_tokens=6,
+                                     temperature=0)
+    assert [c.index for c in resp.choices] == [0, 1]
+    single = client.completions.create(model=model_name, prompt="Red, green,", max_tokens=6, temperature=0)
+    assert resp.choices[1].text == single.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model_name, prompt="Red, green,", max_tokens=6, temperature=0, stream=True) if c.choices)
+    assert streamed == single.choices[0].text
+
+
+def test_n_choices(client, model_name):
+    resp = client.chat.completions.create(model=model_name, messages=CHAT, n=4, temperature=1.0, max_tokens=12,
+                                          seed=7)
+    assert sorted(c.index for c in resp.choices) == [0, 1, 2, 3]
+    texts = {c.message.content for c in resp.choices}
+    assert len(texts) > 1, "sampled choices with different seeds should differ"
+    assert resp.usage.completion_tokens <= 4 * 12
+    stream = client.chat.completions.create(model=model_name, messages=CHAT, n=3, temperature=1.0, max_tokens=8,
+                                            seed=7, stream=True)
+    per_choice: dict[int, str] = {}
+    for chunk in stream:
+        for ch in chunk.choices:
+            per_choice[ch.index] = per_choice.get(ch.index, "") + (ch.delta.content or "")
+    assert sorted(per_choice) == [0, 1, 2]
+
+
+def test_seed_reproducibility(client, model_name):
+    kwargs = dict(model=model_name, messages=[{"role": "user", "content": "Tell me a story."}], temperature=1.0,
+                  top_p=0.95, max_tokens=24)
+    a = client.chat.completions.create(seed=1234, **kwargs).choices[0].message.content
+    b = client.chat.completions.create(seed=1234, **kwargs).choices[0].message.content
+    c = client.chat.completions.create(seed=999, **kwargs).choices[0].message.content
+    assert a == b
+    assert a != c
+
+
+def test_stop_strings(client, model_name):
+    base = client.completions.create(model=model_name, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0)
+    text = base.choices[0].text
+    assert " 8" in text, text
+    resp = client.completions.create(model=model_name, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0,
+                                     stop=[" 8", "never"])
+    assert resp.choices[0].text == text[: text.index(" 8")]
+    assert resp.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=model_name, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0, stop=" 8", stream=True)
+        if c.choices)
+    assert streamed == resp.choices[0].text
+    # A stop string spanning several tokens.
+    resp2 = client.completions.create(model=model_name, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0,
+                                      stop=[", 9,"])
+    assert ", 9," not in resp2.choices[0].text and resp2.choices[0].finish_reason == "stop"
+
+
+def test_stop_token_ids_and_ignore_eos(client, model_name):
+    resp = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=20, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 20 and resp.choices[0].finish_reason == "length"
+    resp = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=20, temperature=0,
+                                          extra_body={"min_tokens": 15})
+    assert resp.usage.completion_tokens >= 15
+
+
+def test_logprobs(client, model_name):
+    resp = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = resp.choices[0].logprobs.content
+    assert len(content) == resp.usage.completion_tokens
+    for tok in content:
+        assert tok.logprob <= 0
+        assert len(tok.top_logprobs) == 3
+        # greedy: the chosen token is the most likely one
+        assert tok.top_logprobs[0].logprob == pytest.approx(tok.logprob, abs=1e-5)
+        assert [t.logprob for t in tok.top_logprobs] == sorted((t.logprob for t in tok.top_logprobs), reverse=True)
+    assert "".join(t.token for t in content) == resp.choices[0].message.content
+    comp = client.completions.create(model=model_name, prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(lp.top_logprobs) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_logit_bias(client, model_name, base_url):
+    ids = httpx.post(base_url + "/generate", json={
+        "text": "Hello", "sampling_params": {"max_new_tokens": 5, "temperature": 0, "logit_bias": {"28": 100}}}).json()
+    assert ids["output_ids"] == [28] * 5
+    resp = client.completions.create(model=model_name, prompt="Hello", max_tokens=5, temperature=0,
+                                     logit_bias={"28": 100}, logprobs=0)
+    assert resp.choices[0].text == ids["text"]
+    banned = client.completions.create(model=model_name, prompt="1, 2, 3,", max_tokens=1, temperature=0)
+    first = httpx.post(base_url + "/generate", json={"text": "1, 2, 3,", "sampling_params": {
+        "max_new_tokens": 1, "temperature": 0}}).json()["output_ids"][0]
+    alt = client.completions.create(model=model_name, prompt="1, 2, 3,", max_tokens=1, temperature=0,
+                                    logit_bias={str(first): -100})
+    assert alt.choices[0].text != banned.choices[0].text
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"n": 0}, "n"),
+    ({"n": 100000}, "n"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": 100000}, "max_tokens"),
+    ({"presence_penalty": 5}, "presence_penalty"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+])
+def test_bad_parameters_are_400(client, model_name, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model_name, messages=CHAT, **kwargs)
+    assert err.value.status_code == 400
+    body = err.value.body
+    assert body["type"] == "invalid_request_error" and body["param"] == param, body
+
+
+def test_wrong_types_and_bad_json_are_400(base_url, model_name):
+    r = httpx.post(base_url + "/v1/chat/completions", json={"model": model_name, "messages": CHAT,
+                                                           "temperature": "hot"})
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+    r = httpx.post(base_url + "/v1/chat/completions", json={"model": model_name, "messages": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(base_url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(base_url + "/v1/completions", json={"model": model_name, "prompt": [10**9]})
+    assert r.status_code == 400
+    r = httpx.post(base_url + "/generate", json={"text": "hi", "sampling_params": {"temprature": 1}})
+    assert r.status_code == 400 and "temprature" in r.json()["error"]["message"]
+    r = httpx.post(base_url + "/v1/chat/completions", json={"model": model_name, "messages": CHAT, "unknown_x": 1,
+                                                           "max_tokens": 2})
+    assert r.status_code == 200  # unknown fields are ignored, like OpenAI-compatible servers do
+
+
+def test_context_length_error(client, model_name):
+    long_prompt = "hello " * 9000
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_name, prompt=long_prompt, max_tokens=5)
+    assert "context length" in err.value.body["message"]
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-17", messages=CHAT)
+    assert err.value.body["code"] == "model_not_found"
+    r = httpx.get(str(client.base_url).rstrip("/").removesuffix("/v1") + "/no/such/route")
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_native_generate(base_url):
+    r = httpx.post(base_url + "/generate", json={"text": "The capital of France is",
+                                                 "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+    body = r.json()
+    assert r.status_code == 200 and body["meta_info"]["completion_tokens"] == 6
+    assert body["meta_info"]["finish_reason"]["type"] == "length"
+    chunks = []
+    with httpx.stream("POST", base_url + "/generate", json={
+            "input_ids": body["output_ids"], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "stream": True}, timeout=60) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    assert chunks[-1]["meta_info"]["completion_tokens"] == 4
+    assert all(chunks[i + 1]["text"].startswith(chunks[i]["text"]) for i in range(len(chunks) - 1))
+
+
+def test_client_disconnect_aborts_and_frees_kv(base_url, model_name):
+    body = {"model": model_name, "messages": CHAT, "max_tokens": 2000, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break  # leave mid-stream
+    # Non-streaming client that gives up.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/completions", json={"model": model_name, "prompt": "Go", "max_tokens": 3000,
+                                                      "ignore_eos": True}, timeout=1.5)
+    pool = wait_pool_whole(base_url, timeout=30)
+    assert pool["used_slots"] == 0, pool
+    info = httpx.get(base_url + "/get_server_info").json()
+    assert info["num_running"] == 0 and info["num_waiting"] == 0
+
+
+def test_server_info(base_url):
+    info = httpx.get(base_url + "/get_server_info").json()
+    assert info["runner"]["architecture"] == "LlamaForCausalLM"
+    assert info["kv_pool"]["total_slots"] > 8192
+    assert info["server_args"]["port"] > 0
