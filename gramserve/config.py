@@ -24,13 +24,28 @@ class ServerArgs:
     mem_fraction_static: float = 0.85  # GPU: fraction of device memory for weights + KV
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192  # tokens in one prefill step
+    chunked_prefill_size: int = 512  # long prompts are prefilled in chunks of this many tokens (0: off)
+    schedule_policy: str = "lpm"  # lpm (longest cached prefix first) | fcfs
+    disable_radix_cache: bool = False
+    kv_reserve_ratio: float = 0.5  # share of a running request's max_tokens that admission keeps free for it
     max_queued_requests: int | None = None
     num_threads: int | None = None  # torch threads in the scheduler (default: all cores)
     seed: int = 0
     max_n: int = 128  # largest accepted `n`
     log_level: str = "info"
-    # Filled by the launcher: where the IPC sockets live.
+    # Structured generation
+    # auto: xgrammar first, then llguidance, then outlines, for grammars a backend rejects or cannot enforce
+    grammar_backend: str = "auto"
+    grammar_compile_timeout: float = 5.0  # seconds; past it the request gets a 400
+    grammar_max_whitespace: int | None = 2  # consecutive whitespace characters allowed inside JSON
+    grammar_strict_json: bool = True  # xgrammar: no undeclared properties unless the schema allows them explicitly
+    grammar_max_bytes: int = 256 * 1024  # largest schema / grammar text accepted
+    grammar_max_depth: int = 64  # deepest JSON nesting accepted in a schema
+    # Filled by the launcher at start-up.
     ipc_dir: str = ""
+    grammar_shm: str = ""  # shared-memory name of the token bitmask
+    vocab_size: int = 0  # logits width
+    eos_token_ids: tuple[int, ...] = ()
 
     @property
     def model_name(self) -> str:
@@ -66,11 +81,27 @@ class ServerArgs:
         parser.add_argument("--mem-fraction-static", type=float, default=defaults.mem_fraction_static)
         parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
         parser.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens)
-        parser.add_argument("--max-queued-requests", type=int, default=None)
+        parser.add_argument("--max-queued-requests", type=int, default=None,
+                            help="waiting requests beyond this get a 503 with Retry-After")
+        parser.add_argument("--chunked-prefill-size", type=int, default=defaults.chunked_prefill_size)
+        parser.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=["lpm", "fcfs"])
+        parser.add_argument("--disable-radix-cache", action="store_true")
+        parser.add_argument("--kv-reserve-ratio", type=float, default=defaults.kv_reserve_ratio)
         parser.add_argument("--num-threads", type=int, default=None)
         parser.add_argument("--seed", type=int, default=defaults.seed)
         parser.add_argument("--max-n", type=int, default=defaults.max_n)
         parser.add_argument("--log-level", default=defaults.log_level)
+        parser.add_argument("--grammar-backend", default=defaults.grammar_backend,
+                            choices=["xgrammar", "llguidance", "outlines", "auto"])
+        parser.add_argument("--grammar-compile-timeout", type=float, default=defaults.grammar_compile_timeout)
+        parser.add_argument("--grammar-max-whitespace", type=lambda v: None if v in ("none", "None") else int(v),
+                            default=defaults.grammar_max_whitespace,
+                            help="max consecutive whitespace chars inside constrained JSON ('none': unbounded)")
+        parser.add_argument("--grammar-strict-json", action=argparse.BooleanOptionalAction,
+                            default=defaults.grammar_strict_json,
+                            help="JSON schemas: forbid properties/items the schema does not declare (xgrammar)")
+        parser.add_argument("--grammar-max-bytes", type=int, default=defaults.grammar_max_bytes)
+        parser.add_argument("--grammar-max-depth", type=int, default=defaults.grammar_max_depth)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

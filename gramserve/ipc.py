@@ -18,6 +18,8 @@ import zmq.asyncio
 SCHEDULER_IN = "scheduler"
 DETOKENIZER_IN = "detokenizer"
 TOKENIZER_MANAGER_IN = "tokenizer_manager"
+GRAMMAR_IN = "grammar"
+SCHEDULER_GRAMMAR_IN = "scheduler_grammar"  # the scheduler's second inbox: grammar replies only
 
 
 def push_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:

@@ -3,6 +3,8 @@
     TokenizerManager --TokenizedGenerateReq / AbortReq / ControlReq--> Scheduler
     Scheduler --BatchTokenOut / ControlResp--> Detokenizer
     Detokenizer --BatchTextOut / ControlResp (forwarded)--> TokenizerManager
+    Scheduler --GrammarCompileReq / GrammarStepReq--> GrammarBackend
+    GrammarBackend --GrammarCompileResp / GrammarStepResp--> Scheduler
 """
 
 from __future__ import annotations
@@ -13,6 +15,17 @@ from typing import Any
 from gramserve.sampling.params import SamplingParams
 
 
+@dataclass(frozen=True)
+class GrammarRequest:
+    """A request's output constraint, as the client gave it (normalized)."""
+
+    kind: str  # json_schema | json_object | regex | ebnf | structural_tag | choice
+    text: str  # schema / grammar / regex text; for choice a JSON list of strings
+    backend: str = "auto"  # xgrammar | llguidance | outlines | auto
+    # The constraint starts only after these tokens appear in the output (reasoning models' end marker).
+    start_after: tuple[int, ...] = ()
+
+
 @dataclass
 class TokenizedGenerateReq:
     rid: str
@@ -20,7 +33,39 @@ class TokenizedGenerateReq:
     sampling: SamplingParams
     return_logprob: bool = False
     top_logprobs: int = 0
-    stream: bool = False
+    grammar: GrammarRequest | None = None
+    priority: int = 0  # lower runs first
+
+
+@dataclass
+class GrammarCompileReq:
+    rid: str
+    grammar: GrammarRequest
+
+
+@dataclass
+class GrammarCompileResp:
+    rid: str
+    backend: str | None  # the backend that compiled it; None on failure
+    error: str | None = None
+    compile_ms: float = 0.0
+
+
+@dataclass
+class GrammarStepReq:
+    """Accept last step's tokens, then fill the bitmask rows of this step's constrained requests."""
+
+    step: int
+    accept: list[tuple[str, int]]
+    fill: list[tuple[str, int]]  # (rid, bitmask row)
+    free: list[str]
+
+
+@dataclass
+class GrammarStepResp:
+    step: int
+    rejected: list[str]  # requests whose accepted token the grammar refused
+    fill_ms: float = 0.0
 
 
 @dataclass
@@ -47,6 +92,7 @@ class FinishReason:
     type: str  # "stop" | "length" | "abort"
     matched: int | str | None = None  # the stop token id or stop string that ended it
     message: str | None = None  # for aborts
+    status_code: int | None = None  # for aborts that are the client's fault (e.g. 400 for a bad grammar)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.type}
@@ -78,6 +124,7 @@ class BatchTokenOut:
     # Per-request detokenization settings; resent each step (small) so the detokenizer needs no setup message.
     stop_strs: list[tuple[str, ...]]
     skip_special_tokens: list[bool]
+    grammar_backends: list[str | None] = field(default_factory=list)
 
 
 @dataclass
@@ -90,3 +137,4 @@ class BatchTextOut:
     completion_tokens: list[int]
     cached_tokens: list[int]
     logprobs: list[list[TokenLogprob] | None]
+    grammar_backends: list[str | None] = field(default_factory=list)

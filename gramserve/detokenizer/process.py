@@ -38,6 +38,7 @@ def _append(out: BatchTextOut, batch: BatchTokenOut, i: int, delta: str, finishe
     out.completion_tokens.append(batch.completion_tokens[i])
     out.cached_tokens.append(batch.cached_tokens[i])
     out.logprobs.append(batch.logprobs[i])
+    out.grammar_backends.append(batch.grammar_backends[i] if batch.grammar_backends else None)
 
 
 class DetokenizerManager:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from gramserve.messages import FinishReason, TokenizedGenerateReq, TokenLogprob
@@ -20,32 +22,48 @@ class Req:
         self.eos_ids = set() if self.params.ignore_eos else eos_ids
         self.stop_token_ids = set(self.params.stop_token_ids)
         self.output_ids: list[int] = []
+        self.priority = msg.priority
+        self.arrival = time.monotonic()
         self.req_pool_idx: int | None = None
-        self.kv_len = 0  # tokens whose K/V are in the cache
-        self.cached_tokens = 0  # prompt tokens served from a cache (prefix caching comes later)
+        self.kv_len = 0  # tokens whose K/V are in the KV cache (matched prefix + computed)
+        self.prefix_len = 0  # of those, tokens shared from the prefix cache (its slots are the tree's)
+        self.prefix_node = None  # the locked radix-tree node that ends the shared prefix
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.admitted_once = False
+        self.num_retractions = 0
         self.finished: FinishReason | None = None
         self.pending_logprobs: list[TokenLogprob] = []
         self.sent_tokens = 0  # output tokens already sent to the detokenizer
         self.generator = None
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+        self.grammar = msg.grammar
+        self.grammar_backend: str | None = None  # which backend compiled it
+        self.grammar_started = msg.grammar is not None and not msg.grammar.start_after
         max_stop = max((len(s) for s in self.params.stop), default=0)
         self._stop_tail_tokens = max_stop + 2
 
     @property
-    def all_ids(self) -> list[int]:
+    def fill_ids(self) -> list[int]:
+        """Every token whose K/V the request needs before it can sample its next token."""
         return self.origin_input_ids + self.output_ids
 
     @property
     def prompt_len(self) -> int:
         return len(self.origin_input_ids)
 
+    @property
+    def constrained(self) -> bool:
+        """The grammar applies to the next token."""
+        return self.grammar_started
+
     def remaining_new_tokens(self) -> int:
         return self.max_new_tokens - len(self.output_ids)
 
     def sampling_row(self) -> SamplingRow:
         suppress: tuple[int, ...] = ()
-        if len(self.output_ids) < self.params.min_new_tokens:
+        # Under a grammar, EOS is the grammar's call (it may be the only token allowed).
+        if len(self.output_ids) < self.params.min_new_tokens and not self.constrained:
             suppress = tuple(self.eos_ids | self.stop_token_ids)
         return SamplingRow(self.params, self.origin_input_ids, self.output_ids, self.generator, suppress)
 
@@ -53,6 +71,9 @@ class Req:
         """Record a sampled token and decide whether the request is done."""
         self.output_ids.append(token)
         n = len(self.output_ids)
+        if self.grammar is not None and not self.grammar_started:
+            marker = self.grammar.start_after
+            self.grammar_started = tuple(self.output_ids[-len(marker):]) == marker
         past_min = n >= self.params.min_new_tokens
         if past_min and (token in self.eos_ids or token in self.stop_token_ids):
             self.finished = FinishReason("stop", matched=token)

@@ -22,15 +22,21 @@ from gramserve.messages import (
 from gramserve.model.forward_batch import ForwardBatch, ForwardMode
 from gramserve.model.runner import ModelRunner
 from gramserve.sampling.sampler import Sampler
+from gramserve.scheduler.grammar_client import GrammarClient
 from gramserve.scheduler.memory import ReqToTokenPool, TokenSlotAllocator
+from gramserve.scheduler.radix_cache import RadixCache
 from gramserve.scheduler.request import Req
 
 logger = logging.getLogger(__name__)
 
+LPM_WINDOW = 128  # waiting requests scored by prefix match per step (bounds the policy's cost)
+
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, tokenizer):
+    def __init__(self, args: ServerArgs, tokenizer, grammar: GrammarClient | None = None):
         self.args = args
+        self.grammar = grammar
+        self.grammar_wait: dict[str, Req] = {}  # compiling constraints, by rid
         self.tokenizer = tokenizer
         self.runner = ModelRunner(args, args.max_running_requests)
         self.device = self.runner.device
@@ -39,77 +45,184 @@ class Scheduler:
         self.allocator = TokenSlotAllocator(info.max_total_tokens, self.device)
         self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length, self.device)
         self.sampler = Sampler(info.vocab_size, len(tokenizer), self.device)
-        self.eos_ids = set(info.eos_token_ids)
+        self.eos_ids = set(args.eos_token_ids or info.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
+        self.cache = RadixCache(self.allocator, disabled=args.disable_radix_cache)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.stats = {"requests_finished": 0, "prompt_tokens": 0, "generation_tokens": 0, "forward_steps": 0}
+        self.chunked: Req | None = None  # the request whose prompt is being prefilled chunk by chunk
+        self.finished_early: list[Req] = []  # rejected before running; reported by the next step
+        self._last_was_prefill = False
+        self.stats = {"requests_finished": 0, "prompt_tokens": 0, "generation_tokens": 0, "forward_steps": 0,
+                      "retractions": 0, "cached_prompt_tokens": 0}
 
-    # --- admission and KV bookkeeping ---------------------------------------------------------------
-
-    def _reserved_slots(self) -> int:
-        """Slots that running requests will still need for the tokens they may generate."""
-        return sum(r.remaining_new_tokens() for r in self.running)
+    # --- arrival --------------------------------------------------------------------------------
 
     def add_request(self, msg: TokenizedGenerateReq) -> Req:
         budget = self.context_length - len(msg.input_ids)
         max_new = budget if msg.sampling.max_new_tokens is None else min(msg.sampling.max_new_tokens, budget)
         req = Req(msg, max(max_new, 1), self.eos_ids)
-        if max_new < 1 or len(msg.input_ids) + max_new > self.allocator.size:
-            req.finished = FinishReason("abort", message="prompt does not fit in the KV cache / context")
-        self.waiting.append(req)
+        queued = len(self.waiting) + len(self.grammar_wait)
+        if max_new < 1 or len(msg.input_ids) + 1 > self.allocator.size:
+            req.finished = FinishReason("abort", message="prompt does not fit in the KV cache / context",
+                                        status_code=400)
+        elif self.args.max_queued_requests is not None and queued >= self.args.max_queued_requests:
+            req.finished = FinishReason("abort", message=f"the waiting queue is full ({queued} requests); retry later",
+                                        status_code=503)
+        elif req.grammar is not None:
+            if self.grammar is None:
+                req.finished = FinishReason("abort", message="structured output is disabled on this server",
+                                            status_code=400)
+            else:
+                self.grammar.compile(req.rid, req.grammar)
+                self.grammar_wait[req.rid] = req
+                return req
+        if req.finished is not None:
+            self.finished_early.append(req)
+        else:
+            self.waiting.append(req)
         return req
 
-    def _admit(self) -> list[Req]:
-        admitted: list[Req] = []
-        free = self.allocator.num_free - self._reserved_slots()
-        tokens = 0
-        while self.waiting:
-            req = self.waiting[0]
-            if req.finished is not None:  # rejected at arrival; reported by the next output batch
-                self.waiting.popleft()
-                admitted.append(req)
-                continue
-            need = req.prompt_len + req.max_new_tokens
-            if len(self.running) + len(admitted) >= self.req_pool.max_reqs or need > free:
-                break
-            if admitted and tokens + req.prompt_len > self.args.max_prefill_tokens:
-                break
-            self.waiting.popleft()
-            free -= need
-            tokens += req.prompt_len
-            admitted.append(req)
-        return admitted
+    def poll_grammar(self) -> None:
+        """Move requests whose grammar compiled to the waiting queue; fail those whose grammar did not."""
+        if self.grammar is None:
+            return
+        for resp in self.grammar.poll_compiles():
+            req = self.grammar_wait.pop(resp.rid, None)
+            if req is None:
+                continue  # aborted meanwhile
+            if resp.error is not None:
+                req.finished = FinishReason("abort", message=f"invalid or unsupported grammar: {resp.error}",
+                                            status_code=400)
+                self.finished_early.append(req)
+            else:
+                req.grammar_backend = resp.backend
+                self.waiting.append(req)
 
-    def _free_req(self, req: Req) -> None:
-        if req.req_pool_idx is not None:
-            self.allocator.free(self.req_pool.slots(req.req_pool_idx, req.kv_len))
-            self.req_pool.free(req.req_pool_idx)
-            req.req_pool_idx = None
-            req.kv_len = 0
+    # --- KV bookkeeping -------------------------------------------------------------------------
+
+    def _reserved_slots(self) -> int:
+        """Slots kept free for the tokens that running requests are still expected to generate."""
+        ratio = self.args.kv_reserve_ratio
+        return int(sum(r.remaining_new_tokens() for r in self.running) * ratio)
+
+    def _available_slots(self) -> int:
+        return self.allocator.num_free + self.cache.evictable_size
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        if self.allocator.num_free < n:
+            self.cache.evict(n - self.allocator.num_free)
+        return self.allocator.alloc(n)
+
+    def _release(self, req: Req) -> None:
+        """Give a request's KV back: computed tokens go into the prefix cache, duplicates are freed."""
+        if req.req_pool_idx is None:
+            return
+        slots = self.req_pool.slots(req.req_pool_idx, req.kv_len)
+        already = self.cache.insert(req.fill_ids[:req.kv_len], slots) if req.kv_len else 0
+        dup_end = max(already, req.prefix_len)
+        self.allocator.free(slots[req.prefix_len:dup_end])  # our own copies of what the tree already had
+        if self.cache.disabled:
+            self.allocator.free(slots[req.prefix_len:])
+        if req.prefix_node is not None:
+            self.cache.unlock(req.prefix_node)
+        self.req_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.prefix_node = None, None
+        req.kv_len = req.prefix_len = 0
+
+    def _retract_for(self, needed: int) -> None:
+        """Decode ran out of slots: send the requests with the least progress back to the waiting queue."""
+        victims = sorted(self.running, key=lambda r: (len(r.output_ids), -r.arrival))
+        while self._available_slots() < needed and len(self.running) > 1 and victims:
+            req = victims.pop(0)
+            self.running.remove(req)
+            self._release(req)  # its tokens stay in the prefix cache, so resuming is cheap if not evicted
+            req.num_retractions += 1
+            self.stats["retractions"] += 1
+            self.waiting.appendleft(req)
+            logger.info("retracted %s after %d tokens (KV pool full)", req.rid, len(req.output_ids))
 
     # --- batches --------------------------------------------------------------------------------
 
-    def _prefill_batch(self, reqs: list[Req]) -> ForwardBatch:
-        ids, positions, locs, rows, prefix_lens, new_lens = [], [], [], [], [], []
-        for req in reqs:
-            req.req_pool_idx = self.req_pool.alloc()
-            fill = req.all_ids  # output_ids is non-empty only for a resumed request
-            slots = self.allocator.alloc(len(fill))
-            self.req_pool.write(req.req_pool_idx, 0, slots)
-            req.kv_len = len(fill)
-            ids += fill
-            positions.append(torch.arange(len(fill)))
-            locs.append(slots)
+    def _ordered_waiting(self) -> list[Req]:
+        if self.args.schedule_policy == "lpm" and not self.cache.disabled and len(self.waiting) > 1:
+            head = list(self.waiting)[:LPM_WINDOW]
+            hit = {id(r): self.cache.match_prefix(r.fill_ids[:-1]).length for r in head}
+            head.sort(key=lambda r: (-hit[id(r)], r.priority, r.arrival))
+            return head + list(self.waiting)[LPM_WINDOW:]
+        return sorted(self.waiting, key=lambda r: (r.priority, r.arrival))
+
+    def _schedule_prefill(self) -> list[tuple[Req, int]]:
+        """Pick (request, new tokens) pairs for one extend step within the token and memory budgets."""
+        chunk_size = self.args.chunked_prefill_size
+        budget = chunk_size if chunk_size > 0 else self.args.max_prefill_tokens
+        picked: list[tuple[Req, int]] = []
+        if self.chunked is not None:
+            req = self.chunked
+            take = min(len(req.fill_ids) - req.kv_len, budget, self._available_slots())
+            if take > 0:  # else wait for running requests to finish and free memory
+                picked.append((req, take))
+                budget -= take
+        reserved = self._reserved_slots()
+        taken = sum(n for _, n in picked)
+        rows_left = self.req_pool.num_free
+        for req in self._ordered_waiting():
+            if budget <= 0 or rows_left == 0 or self.chunked is not None:
+                break
+            match = self.cache.match_prefix(req.fill_ids[:-1])
+            extend = len(req.fill_ids) - match.length
+            take = min(extend, budget) if chunk_size > 0 else extend
+            if chunk_size <= 0 and picked and take > budget:
+                break
+            reserve = int(req.remaining_new_tokens() * self.args.kv_reserve_ratio) if take == extend else 0
+            self.cache.lock(match.node)  # locking makes the matched prefix unevictable: count it first
+            room = self._available_slots() - taken
+            if take > room or (take + reserve > room - reserved and (picked or self.running)):
+                self.cache.unlock(match.node)
+                break
+            self.waiting.remove(req)
+            self._admit(req, match)
+            picked.append((req, take))
+            taken += take
+            reserved += reserve
+            budget -= take
+            rows_left -= 1
+            if take < extend:
+                self.chunked = req
+        return picked
+
+    def _admit(self, req: Req, match) -> None:
+        """Give a request its slot-table row and the cached prefix (already locked by the caller)."""
+        req.req_pool_idx = self.req_pool.alloc()
+        req.prefix_node = match.node
+        req.prefix_len = req.kv_len = match.length
+        if match.length:
+            self.req_pool.write(req.req_pool_idx, 0, match.slots)
+        if not req.admitted_once:
+            req.cached_tokens = match.length
+            req.admitted_once = True
+            self.stats["cached_prompt_tokens"] += match.length
+
+    def _prefill_batch(self, picked: list[tuple[Req, int]]) -> ForwardBatch:
+        slots = self._alloc(sum(n for _, n in picked))
+        ids, positions, rows, prefix_lens, new_lens = [], [], [], [], []
+        offset = 0
+        for req, n in picked:
+            start = req.kv_len
+            self.req_pool.write(req.req_pool_idx, start, slots[offset:offset + n])
+            offset += n
+            ids += req.fill_ids[start:start + n]
+            positions.append(torch.arange(start, start + n))
             rows.append(req.req_pool_idx)
-            prefix_lens.append(0)
-            new_lens.append(len(fill))
-        return self._make_batch(ForwardMode.EXTEND, ids, torch.cat(positions), torch.cat(locs), rows,
+            prefix_lens.append(start)
+            new_lens.append(n)
+            req.kv_len += n
+        return self._make_batch(ForwardMode.EXTEND, ids, torch.cat(positions), slots, rows,
                                 [p + n for p, n in zip(prefix_lens, new_lens)], prefix_lens, new_lens)
 
     def _decode_batch(self, reqs: list[Req]) -> ForwardBatch:
-        slots = self.allocator.alloc(len(reqs))
+        slots = self._alloc(len(reqs))
         ids, positions, rows = [], [], []
         for req, slot in zip(reqs, slots):
             positions.append(req.kv_len)
@@ -138,32 +251,79 @@ class Scheduler:
 
     # --- one step -------------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> BatchTokenOut | None:
-        admitted = self._admit()
-        rejected = [r for r in admitted if r.finished is not None]
-        new_reqs = [r for r in admitted if r.finished is None]
-        if new_reqs:
-            self.running.extend(new_reqs)  # before the forward, so a failure frees their slots too
-            reqs, batch = new_reqs, self._prefill_batch(new_reqs)
+        early, self.finished_early = self.finished_early, []
+        picked: list[tuple[Req, int]] = []
+        # Alternate with decode while requests run, so a long prefill never stalls the streams.
+        if not (self.running and self._last_was_prefill):
+            picked = self._schedule_prefill()
+        if picked:
+            self._last_was_prefill = True
+            batch = self._prefill_batch(picked)
+            reqs = [r for r, _ in picked]
+            # Only requests whose whole prompt is now in the cache sample a token.
+            sampling = [r for r in reqs if r.kv_len == len(r.fill_ids)]
             self.stats["prompt_tokens"] += sum(batch.extend_seq_lens_cpu)
         elif self.running:
-            reqs, batch = self.running, self._decode_batch(self.running)
+            self._last_was_prefill = False
+            if self._available_slots() < len(self.running):
+                self._retract_for(len(self.running))
+            reqs = sampling = list(self.running)
+            batch = self._decode_batch(reqs)
         else:
-            return self._output(rejected) if rejected else None
+            return self._output(early) if early else None
 
-        logits = self.runner.forward(batch)
+        fill = [(r.rid, i) for i, r in enumerate(reqs) if r.constrained and r in sampling]
+        if fill:
+            step_id = self.grammar.begin_step(fill)  # masks are filled while the model runs
+        try:
+            logits = self.runner.forward(batch)
+        except Exception:
+            if fill:
+                self.grammar.finish_step(step_id)
+            raise
+        if fill:
+            self._apply_grammar(logits, reqs, fill, step_id)
+        rows = [i for i, r in enumerate(reqs) if r in sampling]
+        if rows:
+            self._sample(logits[rows] if len(rows) < len(reqs) else logits, [reqs[i] for i in rows])
+        self.stats["forward_steps"] += 1
+        if picked:
+            for req in sampling:  # their prefill is complete: they decode from now on
+                if req is self.chunked:
+                    self.chunked = None
+                if req.finished is None:
+                    self.running.append(req)
+        out = self._output(early + sampling)
+        self.running = [r for r in self.running if r.finished is None]
+        if self.grammar is not None and not any(r.constrained for r in self.running):
+            self.grammar.flush()
+        return out
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> None:
         want_lp = [r.top_logprobs if r.return_logprob else -1 for r in reqs]
         result = self.sampler.sample(logits, [r.sampling_row() for r in reqs], max(want_lp))
-        self.stats["forward_steps"] += 1
         self.stats["generation_tokens"] += len(reqs)
         for i, (req, tok) in enumerate(zip(reqs, result.token_ids)):
+            if req.finished is not None:  # failed its grammar step
+                continue
+            was_constrained = req.constrained
             req.append_token(tok, self.tokenizer, self.context_length)
+            if was_constrained and req.finished is None:
+                self.grammar.accept(req.rid, tok)
             if req.return_logprob:
                 top = result.top_logprobs[i][: req.top_logprobs] if result.top_logprobs else []
                 req.pending_logprobs.append(TokenLogprob(tok, result.logprobs[i], top))
-        out = self._output(rejected + reqs)
-        self.running = [r for r in self.running if r.finished is None]
-        return out
+
+    def _apply_grammar(self, logits: torch.Tensor, reqs: list[Req], fill: list[tuple[str, int]],
+                       step_id: int) -> None:
+        resp = self.grammar.finish_step(step_id)
+        rejected = set(resp.rejected)
+        for req in reqs:
+            if req.rid in rejected:
+                req.finished = FinishReason("abort", message="the grammar rejected a token (internal error)")
+        self.grammar.apply(logits, [row for _, row in fill])
 
     def _output(self, reqs: list[Req]) -> BatchTokenOut:
         out = BatchTokenOut([], [], [], [], [], [], [], [], [])
@@ -179,29 +339,45 @@ class Scheduler:
             req.pending_logprobs = []
             out.stop_strs.append(req.params.stop)
             out.skip_special_tokens.append(req.params.skip_special_tokens)
+            out.grammar_backends.append(req.grammar_backend)
             if req.finished is not None:
-                self._free_req(req)
+                self._release(req)
+                if req.grammar is not None and self.grammar is not None:
+                    self.grammar.free(req.rid)
                 self.stats["requests_finished"] += 1
         return out
 
     def abort(self, rid: str) -> BatchTokenOut | None:
-        for queue in (self.waiting, self.running):
-            for req in queue:
-                if req.rid == rid and req.finished is None:
-                    req.finished = FinishReason("abort", message="aborted")
-                    if queue is self.waiting:
-                        self.waiting.remove(req)
-                    else:
-                        self.running.remove(req)
-                    return self._output([req])
-        return None
+        req = self.grammar_wait.pop(rid, None)
+        if req is None:
+            req = next((r for r in self.waiting if r.rid == rid), None)
+            if req is not None:
+                self.waiting.remove(req)
+        if req is None:
+            req = next((r for r in self.running if r.rid == rid), None)
+            if req is not None:
+                self.running.remove(req)
+        if req is None and self.chunked is not None and self.chunked.rid == rid:
+            req, self.chunked = self.chunked, None
+        if req is None or req.finished is not None:
+            return None
+        req.finished = FinishReason("abort", message="aborted")
+        return self._output([req])
 
     def abort_all(self, message: str) -> BatchTokenOut:
-        reqs = list(self.running) + list(self.waiting)
-        self.running, self.waiting = [], deque()
+        reqs = list(self.running) + list(self.waiting) + list(self.grammar_wait.values())
+        if self.chunked is not None and self.chunked not in reqs:
+            reqs.append(self.chunked)
+        self.running, self.waiting, self.grammar_wait, self.chunked = [], deque(), {}, None
         for req in reqs:
             req.finished = FinishReason("abort", message=message)
         return self._output(reqs)
+
+    def flush_cache(self) -> dict:
+        if self.running or self.waiting or self.chunked is not None or self.grammar_wait:
+            return {"ok": False, "error": "cannot flush the cache while requests are running or waiting"}
+        self.cache.reset()
+        return {"ok": True}
 
     def server_info(self) -> dict:
         return {
@@ -209,12 +385,22 @@ class Scheduler:
             "kv_pool": {
                 "total_slots": self.allocator.size,
                 "free_slots": self.allocator.num_free,
-                "used_slots": self.allocator.size - self.allocator.num_free,
+                # held by requests (their own slots and the cached prefixes they lock)
+                "used_slots": self.allocator.size - self.allocator.num_free - self.cache.evictable_size,
+                "cached_slots": self.cache.total_size(),
+                "evictable_slots": self.cache.evictable_size,
                 "free_request_rows": self.req_pool.num_free,
                 "max_running_requests": self.req_pool.max_reqs,
             },
+            "prefix_cache": {
+                "enabled": not self.cache.disabled,
+                "hit_tokens": self.cache.stats.hit_tokens,
+                "query_tokens": self.cache.stats.query_tokens,
+                "cached_prompt_tokens": self.stats["cached_prompt_tokens"],
+            },
             "num_running": len(self.running),
             "num_waiting": len(self.waiting),
+            "num_grammar_compiling": len(self.grammar_wait),
             "stats": dict(self.stats),
         }
 
@@ -228,12 +414,13 @@ def run_scheduler_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> N
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        scheduler = Scheduler(args, tokenizer)
+        ctx = zmq.Context()
+        grammar = GrammarClient(args, ctx) if args.grammar_shm else None
+        scheduler = Scheduler(args, tokenizer, grammar)
     except Exception as exc:  # noqa: BLE001 - reported to the launcher, which exits with it
         logger.exception("scheduler failed to start")
         ready_pipe.send({"error": f"{type(exc).__name__}: {exc}"})
         return
-    ctx = zmq.Context()
     inbox = pull_socket(ctx, args.ipc_path(SCHEDULER_IN))
     to_detok = push_socket(ctx, args.ipc_path(DETOKENIZER_IN))
     ready_pipe.send({"ok": True, "runner": scheduler.runner.info.__dict__})
@@ -250,10 +437,13 @@ def default_num_threads() -> int:
 def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket) -> None:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    if scheduler.grammar is not None:
+        poller.register(scheduler.grammar.inbox, zmq.POLLIN)
     while True:
-        idle = not scheduler.running and not scheduler.waiting
-        # Block only when there is nothing to compute.
+        idle = not (scheduler.running or scheduler.waiting or scheduler.chunked or scheduler.finished_early)
+        # Block only when there is nothing to compute (a compile result also wakes us).
         events = dict(poller.poll(timeout=1000 if idle else 0))
+        scheduler.poll_grammar()
         while inbox in events or inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 msg = inbox.recv_pyobj(zmq.NOBLOCK)
@@ -281,7 +471,12 @@ def handle_message(scheduler: Scheduler, msg, to_detok: zmq.Socket) -> None:
         if out is not None:
             to_detok.send_pyobj(out)
     elif isinstance(msg, ControlReq):
-        payload = scheduler.server_info() if msg.kind == "server_info" else {"error": f"unknown {msg.kind}"}
+        if msg.kind == "server_info":
+            payload = scheduler.server_info()
+        elif msg.kind == "flush_cache":
+            payload = scheduler.flush_cache()
+        else:
+            payload = {"error": f"unknown control request {msg.kind}"}
         to_detok.send_pyobj(ControlResp(msg.qid, payload))
     else:
         logger.error("unknown message %r", type(msg))

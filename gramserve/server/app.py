@@ -15,8 +15,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gramserve.config import ServerArgs
 from gramserve.sampling.params import SamplingParams, SamplingParamsError
 from gramserve.server import protocol as P
-from gramserve.server.openai_serving import OpenAIServing
-from gramserve.server.tokenizer_manager import ClientDisconnectedError, InvalidRequestError, TokenizerManager
+from gramserve.server.openai_serving import OpenAIServing, prefetch_first
+from gramserve.server.structured_outputs import grammar_from_fields
+from gramserve.server.tokenizer_manager import (
+    ClientDisconnectedError, EngineError, InvalidRequestError, ServerBusyError, TokenizerManager,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 _NATIVE_SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)} | {"sampling_seed"}
+_NATIVE_GRAMMAR_KEYS = {"json_schema", "regex", "ebnf", "structural_tag", "choice", "grammar_backend",
+                        "response_format", "structured_outputs"}
 
 
 def native_sampling_params(d: dict[str, Any]) -> SamplingParams:
@@ -66,7 +71,7 @@ def native_sampling_params(d: dict[str, Any]) -> SamplingParams:
 
 def create_app(args: ServerArgs, tm: TokenizerManager, runner_info: dict) -> FastAPI:
     app = FastAPI(title="gramserve", version="0.1.0")
-    serving = OpenAIServing(tm, args.model_name, args.max_n)
+    serving = OpenAIServing(tm, args)
 
     @app.on_event("startup")
     async def _start() -> None:
@@ -99,6 +104,16 @@ def create_app(args: ServerArgs, tm: TokenizerManager, runner_info: dict) -> Fas
     @app.exception_handler(ClientDisconnectedError)
     async def _on_disconnect(_: Request, exc: ClientDisconnectedError):
         return error_response(499, "client closed the request", err_type="client_closed_request")
+
+    @app.exception_handler(ServerBusyError)
+    async def _on_busy(_: Request, exc: ServerBusyError):
+        resp = error_response(503, str(exc), err_type="server_busy")
+        resp.headers["Retry-After"] = "1"
+        return resp
+
+    @app.exception_handler(EngineError)
+    async def _on_engine(_: Request, exc: EngineError):
+        return error_response(500, str(exc), err_type="internal_error")
 
     @app.exception_handler(Exception)
     async def _on_internal(_: Request, exc: Exception):
@@ -173,16 +188,20 @@ def create_app(args: ServerArgs, tm: TokenizerManager, runner_info: dict) -> Fas
         if (req.text is None) == (req.input_ids is None):
             raise InvalidRequestError("give exactly one of text or input_ids", "text")
         input_ids = req.input_ids if req.input_ids is not None else tm.encode(req.text)
-        params = native_sampling_params(req.sampling_params)
+        sampling = dict(req.sampling_params)
+        grammar_fields = {k: sampling.pop(k) for k in list(sampling) if k in _NATIVE_GRAMMAR_KEYS}
+        grammar = grammar_from_fields(grammar_fields, args)
+        params = native_sampling_params(sampling)
         params.validate(tm.vocab_size)
         tm.check_lengths(input_ids, params)
-        gen = tm.generate(input_ids, params, rid=req.rid, return_logprob=req.return_logprob,
-                          top_logprobs=req.top_logprobs_num, is_disconnected=request.is_disconnected)
+        gen = await prefetch_first(tm.generate(
+            input_ids, params, rid=req.rid, return_logprob=req.return_logprob, top_logprobs=req.top_logprobs_num,
+            grammar=grammar, priority=req.priority, is_disconnected=request.is_disconnected))
 
         def payload(text: str, ids: list[int], out, lps: list) -> dict:
             meta = {"id": req.rid, "finish_reason": out.finished.to_json() if out.finished else None,
                     "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                    "cached_tokens": out.cached_tokens}
+                    "cached_tokens": out.cached_tokens, "grammar_backend": out.grammar_backend}
             if req.return_logprob:
                 meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in lps]
                 meta["output_top_logprobs"] = [[[v, i] for i, v in lp.top] for lp in lps]
@@ -209,6 +228,13 @@ def create_app(args: ServerArgs, tm: TokenizerManager, runner_info: dict) -> Fas
             lps += out.logprobs or []
             last = out
         return JSONResponse(payload(text, ids, last, lps))
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        result = await tm.control("flush_cache")
+        if not result.get("ok"):
+            return error_response(400, result.get("error", "cannot flush the cache"))
+        return JSONResponse({"ok": True, "message": "prefix cache flushed"})
 
     @app.post("/abort_request")
     async def abort_request(request: Request):

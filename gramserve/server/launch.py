@@ -21,7 +21,9 @@ import uvicorn
 
 from gramserve.config import ServerArgs
 from gramserve.detokenizer.process import run_detokenizer_process
-from gramserve.model.loader import default_tokenizer_dir, resolve_model
+from gramserve.grammar.process import create_bitmask_shm, run_grammar_process
+from gramserve.model.loader import default_tokenizer_dir, load_config_dict, resolve_model
+from gramserve.model.model_config import ModelConfig
 from gramserve.scheduler.scheduler import run_scheduler_process
 
 logger = logging.getLogger("gramserve")
@@ -68,18 +70,29 @@ def launch_server(args: ServerArgs) -> int:
     args.ipc_dir = tempfile.mkdtemp(prefix="gramserve-ipc-")
     ctx = mp.get_context("spawn")
     procs: dict[str, mp.Process] = {}
+    shm = None
     try:
+        from transformers import AutoTokenizer
+
         tokenizer_dir = tokenizer_dir_for(args)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        model_cfg = ModelConfig.from_dict(load_config_dict(resolve_model(args.model_path, args.load_format)[0]))
+        args.vocab_size = model_cfg.vocab_size
+        eos = set(model_cfg.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        args.eos_token_ids = tuple(sorted(eos))
+        shm = create_bitmask_shm(args.max_running_requests, args.vocab_size)
+        args.grammar_shm = shm.name
         pipes = {}
-        for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)):
+        for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process),
+                             ("grammar", run_grammar_process)):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_child_entry, args=(target, args, tokenizer_dir, writer), name=name)
             proc.start()
             procs[name], pipes[name] = proc, reader
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         _wait_ready("detokenizer", procs["detokenizer"], pipes["detokenizer"])
+        _wait_ready("grammar", procs["grammar"], pipes["grammar"])
         ready = _wait_ready("scheduler", procs["scheduler"], pipes["scheduler"])
         runner_info = ready["runner"]
         return _serve(args, tokenizer, runner_info, procs)
@@ -95,6 +108,9 @@ def launch_server(args: ServerArgs) -> int:
             if proc.is_alive():
                 proc.kill()
         shutil.rmtree(args.ipc_dir, ignore_errors=True)
+        if shm is not None:
+            shm.close()
+            shm.unlink()
 
 
 class _Server(uvicorn.Server):

@@ -9,9 +9,11 @@ import asyncio
 import json
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-from gramserve.messages import TokenLogprob
+from gramserve.config import ServerArgs
+from gramserve.messages import GrammarRequest, TokenLogprob
 from gramserve.sampling.params import SamplingParams
 from gramserve.server import protocol as P
+from gramserve.server.structured_outputs import grammar_from_fields
 from gramserve.server.tokenizer_manager import GenerateOutput, InvalidRequestError, TokenizerManager
 
 MAX_TOP_LOGPROBS = 20
@@ -57,16 +59,40 @@ def _params_for_choice(base: SamplingParams, i: int) -> SamplingParams:
     return replace(base, seed=base.seed + i)
 
 
+async def prefetch_first(gen: AsyncIterator) -> AsyncIterator:
+    """Wait for the first item before the HTTP response starts, so that errors found by the engine
+    (e.g. a grammar that does not compile) still become a 400 instead of an error inside a 200 stream."""
+    try:
+        first = await gen.__anext__()
+    except StopAsyncIteration:
+        first = None
+
+    async def rest():
+        try:
+            if first is not None:
+                yield first
+            async for item in gen:
+                yield item
+        finally:
+            await gen.aclose()
+
+    return rest()
+
+
 def sse(data: Any) -> str:
     body = data.model_dump_json(exclude_none=False) if hasattr(data, "model_dump_json") else json.dumps(data)
     return f"data: {body}\n\n"
 
 
 class OpenAIServing:
-    def __init__(self, tm: TokenizerManager, model_name: str, max_n: int):
+    def __init__(self, tm: TokenizerManager, args: ServerArgs):
         self.tm = tm
-        self.model_name = model_name
-        self.max_n = max_n
+        self.args = args
+        self.model_name = args.model_name
+        self.max_n = args.max_n
+
+    def grammar(self, req: P._SamplingFields) -> GrammarRequest | None:
+        return grammar_from_fields(req.model_dump(), self.args)
 
     # --- shared helpers ---------------------------------------------------------------------------
 
@@ -77,7 +103,8 @@ class OpenAIServing:
             raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
 
     async def _merged(self, input_ids: list[int], params: SamplingParams, n: int, rid: str,
-                      logprobs: int | None, is_disconnected) -> AsyncIterator[tuple[int, GenerateOutput]]:
+                      logprobs: int | None, is_disconnected, grammar: GrammarRequest | None = None,
+                      priority: int = 0) -> AsyncIterator[tuple[int, GenerateOutput]]:
         """Run n engine requests and yield (choice index, output) as they arrive."""
         for i in range(n):  # validate before anything is sent, so errors are clean 400s
             _params_for_choice(params, i).validate(self.tm.vocab_size)
@@ -85,7 +112,7 @@ class OpenAIServing:
         gens = [
             self.tm.generate(input_ids, _params_for_choice(params, i), rid=f"{rid}-{i}",
                              return_logprob=logprobs is not None, top_logprobs=logprobs or 0,
-                             is_disconnected=is_disconnected)
+                             grammar=grammar, priority=priority, is_disconnected=is_disconnected)
             for i in range(n)
         ]
         if n == 1:
@@ -175,12 +202,14 @@ class OpenAIServing:
 
     async def chat(self, req: P.ChatCompletionRequest, is_disconnected) -> P.ChatCompletionResponse:
         params, top = self._chat_params(req)
+        grammar = self.grammar(req)
         input_ids = self._chat_input(req)
         rid = P.random_id("chatcmpl")
         texts = [""] * req.n
         lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
         finals: list[GenerateOutput | None] = [None] * req.n
-        async for i, out in self._merged(input_ids, params, req.n, rid, top, is_disconnected):
+        async for i, out in self._merged(input_ids, params, req.n, rid, top, is_disconnected, grammar,
+                                      req.priority):
             texts[i] += out.text
             if out.logprobs:
                 lps[i] += out.logprobs
@@ -194,17 +223,20 @@ class OpenAIServing:
             ))
         completion = sum(o.completion_tokens for o in finals)
         usage = self._usage(finals[0].prompt_tokens, completion, finals[0].cached_tokens)
-        return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
+        return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage,
+                                        grammar_backend=finals[0].grammar_backend)
 
     async def chat_stream(self, req: P.ChatCompletionRequest, is_disconnected) -> AsyncIterator[str]:
         """Validates eagerly (errors raise before the first byte), then returns the SSE stream."""
         params, top = self._chat_params(req)
+        grammar = self.grammar(req)
         input_ids = self._chat_input(req)
         self.tm.check_lengths(input_ids, params)
         rid = P.random_id("chatcmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        merged = self._merged(input_ids, params, req.n, rid, top, is_disconnected)
+        merged = await prefetch_first(self._merged(input_ids, params, req.n, rid, top, is_disconnected, grammar,
+                                      req.priority))
 
         async def stream() -> AsyncIterator[str]:
             totals = [0] * req.n
@@ -278,6 +310,7 @@ class OpenAIServing:
 
     async def completions(self, req: P.CompletionRequest, is_disconnected) -> P.CompletionResponse:
         params = self._completion_params(req)
+        grammar = self.grammar(req)
         prompts = self._completion_prompts(req)
         rid = P.random_id("cmpl")
         choices, prompt_total, completion_total, cached_total = [], 0, 0, 0
@@ -288,7 +321,8 @@ class OpenAIServing:
             texts = [""] * req.n
             lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
             finals: list[GenerateOutput | None] = [None] * req.n
-            async for i, out in self._merged(ids, params, req.n, f"{rid}-{pi}", req.logprobs, is_disconnected):
+            async for i, out in self._merged(ids, params, req.n, f"{rid}-{pi}", req.logprobs, is_disconnected,
+                                             grammar, req.priority):
                 texts[i] += out.text
                 lps[i] += out.logprobs or []
                 finals[i] = out
@@ -306,10 +340,12 @@ class OpenAIServing:
                     finish_reason=_finish_reason(finals[i]),
                     matched_stop=finals[i].finished.matched if finals[i].finished else None))
         return P.CompletionResponse(id=rid, model=self.model_name, choices=choices,
-                                    usage=self._usage(prompt_total, completion_total, cached_total))
+                                    usage=self._usage(prompt_total, completion_total, cached_total),
+                                    grammar_backend=results[0][2][0].grammar_backend)
 
     async def completions_stream(self, req: P.CompletionRequest, is_disconnected) -> AsyncIterator[str]:
         params = self._completion_params(req)
+        grammar = self.grammar(req)
         prompts = self._completion_prompts(req)
         if len(prompts) != 1:
             raise InvalidRequestError("streaming supports a single prompt", "prompt")
@@ -317,7 +353,8 @@ class OpenAIServing:
         self.tm.check_lengths(ids, params)
         rid = P.random_id("cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        merged = self._merged(ids, params, req.n, rid, req.logprobs, is_disconnected)
+        merged = await prefetch_first(self._merged(ids, params, req.n, rid, req.logprobs, is_disconnected, grammar,
+                                      req.priority))
 
         async def stream() -> AsyncIterator[str]:
             totals = [0] * req.n

@@ -59,6 +59,19 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
+    # structured outputs (see gramserve/server/structured_outputs.py for every accepted spelling)
+    response_format: Optional[dict[str, Any]] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    json_schema: Optional[Union[dict[str, Any], str]] = None
+    structural_tag: Optional[Union[dict[str, Any], str]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    grammar_backend: Optional[str] = None
+    priority: int = 0  # lower runs first
 
 
 class TextContentPart(BaseModel):
@@ -102,6 +115,7 @@ class GenerateRequest(BaseModel):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     rid: Optional[str] = None
+    priority: int = 0
 
 
 # --- responses -------------------------------------------------------------------------------
@@ -153,6 +167,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: Optional[str] = None
+    grammar_backend: Optional[str] = None  # which grammar backend constrained this output
 
 
 class DeltaMessage(BaseModel):
@@ -204,6 +219,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
+    grammar_backend: Optional[str] = None
 
 
 class ModelCard(BaseModel):

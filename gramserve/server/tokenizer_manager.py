@@ -19,7 +19,8 @@ import zmq.asyncio
 from gramserve.config import ServerArgs
 from gramserve.ipc import SCHEDULER_IN, TOKENIZER_MANAGER_IN, pull_socket, push_socket
 from gramserve.messages import (
-    AbortReq, BatchTextOut, ControlReq, ControlResp, FinishReason, TokenizedGenerateReq, TokenLogprob,
+    AbortReq, BatchTextOut, ControlReq, ControlResp, FinishReason, GrammarRequest, TokenizedGenerateReq,
+    TokenLogprob,
 )
 from gramserve.sampling.params import SamplingParams
 
@@ -34,6 +35,14 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class ServerBusyError(Exception):
+    """The waiting queue is full; becomes a 503 with Retry-After."""
+
+
+class EngineError(Exception):
+    """The engine failed the request before producing anything; becomes a 500."""
 
 
 class ClientDisconnectedError(Exception):
@@ -51,6 +60,7 @@ class GenerateOutput:
     completion_tokens: int
     cached_tokens: int
     logprobs: list[TokenLogprob] | None
+    grammar_backend: str | None = None
 
 
 @dataclass
@@ -115,6 +125,7 @@ class TokenizerManager:
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
                        return_logprob: bool = False, top_logprobs: int = 0,
+                       grammar: GrammarRequest | None = None, priority: int = 0,
                        is_disconnected: Callable[[], Awaitable[bool]] | None = None
                        ) -> AsyncIterator[GenerateOutput]:
         """Stream one request's outputs. Raises InvalidRequestError before anything is sent."""
@@ -126,7 +137,8 @@ class TokenizerManager:
             raise InvalidRequestError(f"duplicate request id {rid}", "rid")
         state = _ReqState()
         self.states[rid] = state
-        self.to_scheduler.send_pyobj(TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, top_logprobs))
+        self.to_scheduler.send_pyobj(
+            TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, top_logprobs, grammar, priority))
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_CHECK_S
         try:
@@ -142,6 +154,15 @@ class TokenizerManager:
                         raise ClientDisconnectedError(rid)
                 if out is None:
                     continue
+                fin = out.finished
+                if fin is not None and fin.type == "abort" and out.completion_tokens == 0:
+                    state.finished = True
+                    if fin.status_code == 400:
+                        raise InvalidRequestError(fin.message or "invalid request",
+                                                  "response_format" if grammar is not None else None)
+                    if fin.status_code == 503:
+                        raise ServerBusyError(fin.message or "server busy")
+                    raise EngineError(fin.message or "the request was aborted")
                 yield out
                 if out.finished is not None:
                     state.finished = True
@@ -192,4 +213,5 @@ class TokenizerManager:
                 text=msg.text_deltas[i], token_ids=msg.new_token_ids[i], finished=msg.finished[i],
                 prompt_tokens=msg.prompt_tokens[i], completion_tokens=msg.completion_tokens[i],
                 cached_tokens=msg.cached_tokens[i], logprobs=msg.logprobs[i],
+                grammar_backend=msg.grammar_backends[i] if msg.grammar_backends else None,
             ))

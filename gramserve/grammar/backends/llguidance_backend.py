@@ -1,0 +1,213 @@
+"""llguidance backend: json_schema, json_object, regex, ebnf (Lark, or GBNF converted with
+``llguidance.gbnf_to_lark``), choice, structural_tag (xgrammar's format translated to Lark with lazy
+lexemes, see ``_structural_tag``; token-level formats, dispatch and XML styles are rejected).
+
+* The compiled grammar is a validated prototype ``LLMatcher``; each request gets a ``deep_copy``.
+* ``LLMatcher.consume_token`` puts the matcher in a permanent error state on a bad token, so
+  ``accept_token`` checks ``validate_tokens`` first. EOS is decided by ``is_accepting()``.
+* If llguidance hits an internal limit mid-generation (error state), only EOS is allowed and
+  ``Matcher.error()`` tells why.
+* Whitespace (GrammarOptions.max_whitespace): 0 -> no whitespace, separators "," ":"; n -> the
+  whitespace pattern ``[ \\t\\n\\r]{0,n}`` at each place JSON allows whitespace; None -> any.
+  Leading/trailing whitespace around the top-level value is never allowed.
+* JSON Schema keywords (llguidance 1.9.1, probed): enforced: type (also lists), properties,
+  required, additionalProperties, patternProperties, items, prefixItems, min/maxItems, enum, const,
+  anyOf, oneOf (as anyOf when not provably disjoint, with ``coerce_one_of``), allOf, $ref/$defs
+  (recursive too), pattern, min/maxLength, format (date-time, email, uri, uuid, ipv4, ...),
+  minimum/maximum/exclusive* (integers and numbers), multipleOf, min/maxProperties. Rejected at
+  compile time (unless ``lenient_json``, which ignores them): uniqueItems, contains, not,
+  if/then/else, propertyNames, dependentRequired/dependencies, unknown formats. Valid instances
+  rejected: properties out of the declared order.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import llguidance as llg
+import torch
+
+from ._structural_tag import normalize as normalize_structural_tag
+from ._structural_tag import to_llguidance as structural_tag_to_llguidance
+from .base import (
+    JSON_OBJECT_SCHEMA,
+    GrammarBackend,
+    GrammarCompileError,
+    GrammarOptions,
+    GrammarSpec,
+    Matcher,
+    bitmask_words,
+    check_bitmask_row,
+    looks_like_gbnf,
+    parse_choices,
+    parse_json_schema,
+    set_only_tokens,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class _LLGCompiled:
+    __slots__ = ("grammar", "proto")
+
+    def __init__(self, grammar: str, proto: llg.LLMatcher):
+        self.grammar = grammar
+        self.proto = proto
+
+
+class LLGuidanceMatcher(Matcher):
+    def __init__(self, m: llg.LLMatcher, eos: list[int], text_vocab: int, vocab_size: int):
+        self._m = m
+        self._eos = eos
+        self._text_vocab = text_vocab
+        self._vocab_size = vocab_size
+        self._words = bitmask_words(vocab_size)
+        self._terminated = False
+
+    def accept_token(self, token_id: int) -> bool:
+        token_id = int(token_id)
+        if self._terminated:
+            return token_id in self._eos
+        if not 0 <= token_id < self._vocab_size:
+            return False
+        m = self._m
+        if token_id in self._eos:
+            if m.is_error():
+                self._terminated = True
+                return True
+            if not m.is_accepting():
+                return False
+            m.consume_token(token_id)
+            self._terminated = True
+            return True
+        if token_id >= self._text_vocab or m.is_error():
+            return False
+        if m.validate_tokens([token_id]) != 1:
+            return False
+        return m.consume_token(token_id)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        r = check_bitmask_row(bitmask, row, self._vocab_size)
+        if self._terminated or self._m.is_error():
+            if not self._terminated:
+                logger.warning("llguidance matcher error: %s", self.error())
+            set_only_tokens(bitmask, row, self._eos)
+            return
+        self._m.unsafe_compute_mask_ptr(r.data_ptr(), self._words * 4)
+        if r.shape[0] > self._words:
+            r[self._words :] = 0
+        if self._m.is_error():
+            set_only_tokens(bitmask, row, self._eos)
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def can_terminate(self) -> bool:
+        return self._terminated or self._m.is_error() or self._m.is_accepting()
+
+    def error(self) -> str | None:
+        return _short_error(self._m.get_error()) if self._m.is_error() else None
+
+
+class _BytesTokenizer:
+    """For slow (non-Rust) tokenizers: llguidance's TokenizerWrapper protocol over our byte table."""
+
+    def __init__(self, tokenizer, vocab, eos: int):
+        self.eos_token_id = eos
+        self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        self.tokens = [t if t is not None else b"" for t in vocab.tokens]
+        self.special_token_ids = sorted(i for i, t in enumerate(vocab.tokens) if t is None)
+        self._tok = tokenizer
+
+    def __call__(self, s):
+        if isinstance(s, bytes):
+            s = s.decode("utf-8", errors="replace")
+        return self._tok.encode(s, add_special_tokens=False)
+
+
+class LLGuidanceBackend(GrammarBackend):
+    name = "llguidance"
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], options: GrammarOptions | None = None):
+        super().__init__(tokenizer, vocab_size, eos_token_ids, options)
+        try:
+            import llguidance.hf
+
+            self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+        except ValueError:  # not a fast tokenizer
+            wrapper = llg.TokenizerWrapper(_BytesTokenizer(tokenizer, self.vocab, self.eos_token_ids[0]))
+            self.ll_tokenizer = llg.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+        self.json_options = self._json_options()
+
+    def _json_options(self) -> dict:
+        ws = self.options.max_whitespace
+        opts: dict = {}
+        if ws is None:
+            opts["whitespace_flexible"] = True
+        elif ws <= 0:
+            opts.update(whitespace_flexible=False, item_separator=",", key_separator=":")
+        else:
+            opts.update(whitespace_flexible=True, whitespace_pattern=f"[\\x20\\x0A\\x0D\\x09]{{0,{int(ws)}}}")
+        if self.options.lenient_json:
+            opts["lenient"] = True
+        if self.options.coerce_one_of:
+            opts["coerce_one_of"] = True
+        if self.options.unicode_escapes:
+            opts["json_allow_general_unicode_escapes"] = True
+        return opts
+
+    def _grammar(self, spec: GrammarSpec) -> str:
+        kind, text = spec.kind, spec.text
+        if kind == "json_schema":
+            schema = parse_json_schema(text)
+            if isinstance(schema, bool):
+                if not schema:
+                    raise GrammarCompileError("json_schema: the schema `false` accepts no value")
+                schema = {}
+            return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=self.json_options)
+        if kind == "json_object":
+            return llg.LLMatcher.grammar_from_json_schema(JSON_OBJECT_SCHEMA, overrides=self.json_options)
+        if kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(text)
+        if kind == "ebnf":
+            if looks_like_gbnf(text):
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+
+                try:
+                    text = gbnf_to_lark(text)
+                except Exception as e:  # noqa: BLE001
+                    raise GrammarCompileError(f"llguidance: could not convert the GBNF grammar to Lark: {e}") from None
+            return llg.LLMatcher.grammar_from_lark(text)
+        if kind == "choice":
+            choices = parse_choices(text)
+            alts = [json.dumps(c) for c in choices if c]
+            if not alts:  # only the empty string
+                return llg.LLMatcher.grammar_from_regex("")
+            body = "(" + " | ".join(alts) + ")" + ("?" if "" in choices else "")
+            return llg.LLMatcher.grammar_from_lark("start: " + body)
+        if kind == "structural_tag":
+            return structural_tag_to_llguidance(normalize_structural_tag(text), self.json_options)
+        raise GrammarCompileError(f"llguidance: unsupported grammar kind {kind!r}")
+
+    def _compile(self, spec: GrammarSpec) -> object:
+        grammar = self._grammar(spec)
+        proto = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if proto.is_error():
+            raise GrammarCompileError(f"llguidance rejected the {spec.kind} grammar: {_short_error(proto.get_error())}")
+        return _LLGCompiled(grammar, proto)
+
+    def matcher(self, compiled: object) -> Matcher:
+        if not isinstance(compiled, _LLGCompiled):
+            raise TypeError("not a grammar compiled by the llguidance backend")
+        return LLGuidanceMatcher(compiled.proto.deep_copy(), self.eos_token_ids, self.text_vocab_size, self.vocab_size)
+
+
+def _short_error(msg: str) -> str:
+    """llguidance errors may append parser state and the whole grammar; keep the message."""
+    for marker in ("\n<state>", "<state>", "\n<grammar>"):
+        i = msg.find(marker)
+        if i > 0:
+            msg = msg[:i]
+    msg = msg.strip()
+    return msg if len(msg) <= 2000 else msg[:2000] + " ..."

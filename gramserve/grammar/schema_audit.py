@@ -1,0 +1,132 @@
+"""Which JSON Schema constructs a backend would silently not enforce.
+
+A backend that ignores a keyword still compiles the schema, and the output may then violate it. To keep
+"valid by construction", the GrammarService treats such a schema as rejected by that backend: with `auto`
+the next backend serves it; with an explicit backend the request gets a 400 naming the keyword.
+The lists come from probing each backend with valid and invalid instances (see the backend modules).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+# xgrammar 0.2.8 compiles these but does not enforce them (oneOf is treated as anyOf).
+XGRAMMAR_UNENFORCED = {
+    "allOf", "not", "if", "then", "else", "contains", "minContains", "maxContains",
+    "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties",
+    "unevaluatedItems",
+}
+
+# outlines-core 0.2.14 compiles these into its regex without enforcing them.
+OUTLINES_UNENFORCED = {
+    "multipleOf", "contains", "not", "propertyNames", "dependentRequired", "dependencies", "maxProperties",
+}
+
+_TYPE_CHECKS = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+
+
+def _subschemas(schema: Any) -> Iterator[dict]:
+    """Every schema object inside `schema` (iterative, so deep schemas cannot overflow the stack)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            yield node
+            for key, value in node.items():
+                if key in ("enum", "const", "default", "examples"):
+                    continue  # instance data, not schemas
+                if isinstance(value, dict):
+                    if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+                        stack.extend(v for v in value.values() if isinstance(v, dict))
+                    else:
+                        stack.append(value)
+                elif isinstance(value, list):
+                    stack.extend(v for v in value if isinstance(v, dict))
+
+
+def _enum_type_conflict(node: dict) -> bool:
+    types = node.get("type")
+    if types is None or not ("enum" in node or "const" in node):
+        return False
+    types = [types] if isinstance(types, str) else list(types)
+    values = node["enum"] if "enum" in node else [node["const"]]
+    ok = lambda v: any(_TYPE_CHECKS.get(t, lambda _: True)(v) for t in types)  # noqa: E731
+    return not all(ok(v) for v in values)
+
+
+def _discriminators(branch: dict) -> dict[str, set]:
+    """Required properties whose value the branch pins to a const / enum: property -> allowed values."""
+    out = {}
+    props = branch.get("properties") or {}
+    for name in branch.get("required") or []:
+        p = props.get(name)
+        if isinstance(p, dict) and ("const" in p or "enum" in p):
+            values = [p["const"]] if "const" in p else p["enum"]
+            out[name] = {json.dumps(v, sort_keys=True) for v in values}
+    return out
+
+
+def _types(branch: dict) -> set[str] | None:
+    t = branch.get("type")
+    if t is None:
+        return None
+    types = {t} if isinstance(t, str) else set(t)
+    return types | {"number"} if "integer" in types else types
+
+
+def _disjoint(a: dict, b: dict) -> bool:
+    ta, tb = _types(a), _types(b)
+    if ta is not None and tb is not None and not (ta & tb):
+        return True
+    da, db = _discriminators(a), _discriminators(b)
+    return any(not (da[k] & db[k]) for k in da.keys() & db.keys())
+
+
+def _oneof_overlaps(node: dict) -> bool:
+    branches = [b for b in node.get("oneOf") or [] if isinstance(b, dict)]
+    if any("$ref" in b for b in branches):
+        return True  # cannot tell without resolving references: assume they may overlap
+    return any(not _disjoint(a, b) for i, a in enumerate(branches) for b in branches[i + 1:])
+
+
+_ASSERTIONS = {"type", "properties", "required", "items", "enum", "const", "minimum", "maximum", "pattern",
+               "minLength", "maxLength", "minItems", "maxItems", "additionalProperties"}
+
+
+def unenforced(backend: str, schema_text: str) -> list[str]:
+    """Constructs in the schema that `backend` would not enforce; empty when it enforces them all."""
+    try:
+        schema = json.loads(schema_text)
+    except json.JSONDecodeError:
+        return []  # the backend reports the syntax error itself
+    found: set[str] = set()
+    for node in _subschemas(schema):
+        # Every backend treats oneOf as anyOf: only branches that exclude each other are safe.
+        if "oneOf" in node and _oneof_overlaps(node):
+            found.add("oneOf with branches that may overlap")
+        if backend == "outlines":
+            found |= OUTLINES_UNENFORCED & node.keys()
+            if node.get("uniqueItems") is True:
+                found.add("uniqueItems")
+            if node.get("type") == "integer" and node.keys() & {"minimum", "maximum", "exclusiveMinimum",
+                                                                "exclusiveMaximum"}:
+                found.add("integer bounds")
+        if backend != "xgrammar":
+            continue  # llguidance rejects at compile time what it cannot enforce
+        found |= XGRAMMAR_UNENFORCED & node.keys()
+        if node.get("uniqueItems") is True:
+            found.add("uniqueItems")
+        if _enum_type_conflict(node):
+            found.add("enum/const values outside the declared type")
+        if ("anyOf" in node or "oneOf" in node) and _ASSERTIONS & node.keys():
+            found.add("anyOf/oneOf next to other keywords")
+    return sorted(found)

@@ -1,0 +1,152 @@
+"""KV memory and scheduling with the real model: prefix cache, chunked prefill, retraction, priority, queue limit."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import httpx
+import pytest
+from transformers import AutoTokenizer
+
+from conftest import start_server, wait_pool_whole
+from gramserve.config import ServerArgs
+from gramserve.messages import TokenizedGenerateReq
+from gramserve.model.loader import default_tokenizer_dir
+from gramserve.sampling.params import SamplingParams
+from gramserve.scheduler.scheduler import Scheduler
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(default_tokenizer_dir())
+
+
+def _workload() -> list[list[int]]:
+    """Prompts sharing prefixes of various lengths, including ones that end mid-node."""
+    system = list(range(1000, 1120))
+    prompts = []
+    for i in range(10):
+        shared = system[: 30 + 9 * i]  # every prefix length differs, so matches end inside tree edges
+        prompts.append(shared + [3000 + i, 3100 + i, 3200 + i])
+    prompts.append(system + [42])  # the longest shared prefix
+    prompts.append([7, 8, 9])  # shares nothing
+    return prompts
+
+
+def _run(tokenizer, prompts, waves: int = 2, **kw) -> tuple[dict, dict]:
+    """Run the prompts through a scheduler in `waves` (later waves can hit the cache); return outputs + info."""
+    sched = Scheduler(ServerArgs(**kw), tokenizer)
+    outs: dict[str, list[int]] = {}
+    per_wave = -(-len(prompts) // waves)
+    for w in range(waves):
+        for i, p in enumerate(prompts[w * per_wave:(w + 1) * per_wave]):
+            sched.add_request(TokenizedGenerateReq(
+                f"r{w}-{i}", p, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)))
+        while sched.running or sched.waiting or sched.chunked:
+            out = sched.step()
+            for rid, ids in zip(out.rids, out.new_token_ids) if out else ():
+                outs.setdefault(rid, []).extend(ids)
+    return outs, sched.server_info()
+
+
+def _assert_whole(info: dict) -> None:
+    pool = info["kv_pool"]
+    assert pool["used_slots"] == 0, pool
+    assert pool["free_slots"] + pool["cached_slots"] == pool["total_slots"], pool
+    assert pool["free_request_rows"] == pool["max_running_requests"]
+
+
+def test_prefix_cache_chunking_and_small_pool_keep_outputs(tokenizer):
+    prompts = _workload()
+    reference, info = _run(tokenizer, prompts, kv_cache_memory_gb=0.3, disable_radix_cache=True)
+    _assert_whole(info)
+    assert all(len(v) == 10 for v in reference.values())
+
+    cached, info = _run(tokenizer, prompts, kv_cache_memory_gb=0.3)
+    assert cached == reference
+    assert info["stats"]["cached_prompt_tokens"] > 100, info["stats"]
+    _assert_whole(info)
+
+    chunked, info = _run(tokenizer, prompts, kv_cache_memory_gb=0.3, chunked_prefill_size=16)
+    assert chunked == reference
+    _assert_whole(info)
+
+    # A pool that cannot hold every request at once: requests wait or are retracted, never fail.
+    tiny, info = _run(tokenizer, prompts, waves=1, kv_cache_memory_gb=0.0075, context_length=256,
+                      kv_reserve_ratio=0.0, chunked_prefill_size=64)
+    assert info["kv_pool"]["total_slots"] < sum(len(p) + 10 for p in prompts)
+    assert info["stats"]["retractions"] > 0
+    assert {k.split("-")[1]: v for k, v in tiny.items()} == {
+        str(i): reference[f"r{i // 6}-{i % 6}"] for i in range(len(prompts))}
+    _assert_whole(info)
+
+
+def test_fcfs_policy_and_priority(tokenizer):
+    sched = Scheduler(ServerArgs(kv_cache_memory_gb=0.3, schedule_policy="fcfs", max_running_requests=1),
+                      tokenizer)
+    order = []
+    for rid, prio in (("low", 5), ("high", -1), ("mid", 0)):
+        sched.add_request(TokenizedGenerateReq(rid, [10, 11, 12], SamplingParams(max_new_tokens=2, temperature=0),
+                                               priority=prio))
+    while sched.running or sched.waiting:
+        out = sched.step()
+        order += [rid for rid, fin in zip(out.rids, out.finished) if fin is not None]
+    assert order == ["high", "mid", "low"]
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    srv = start_server(str(tmp_path_factory.mktemp("small")), "--kv-cache-memory-gb", "0.02",
+                       "--context-length", "512", "--chunked-prefill-size", "64", "--max-queued-requests", "6",
+                       "--kv-reserve-ratio", "0")
+    yield srv
+    assert srv.stop() == 0
+
+
+def test_http_cached_tokens_flush_and_retraction(small_server):
+    url = small_server.base_url
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    system = "You are a meticulous assistant. " * 12
+    body = {"model": model, "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Say hi."}]}
+    first = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+    second = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 50
+    assert httpx.post(url + "/flush_cache").status_code == 200
+    third = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+    # More work than the ~430-slot pool holds at once: all finish, identical to running alone.
+    prompts = [f"Write about the number {i}. " * 6 for i in range(6)]
+
+    def one(p):
+        return httpx.post(url + "/v1/completions", timeout=300, json={
+            "model": model, "prompt": p, "max_tokens": 48, "temperature": 0, "ignore_eos": True}).json()
+
+    with concurrent.futures.ThreadPoolExecutor(6) as ex:
+        together = list(ex.map(one, prompts))
+    info = httpx.get(url + "/get_server_info").json()
+    alone = [one(p) for p in prompts]
+    assert [t["choices"][0]["text"] for t in together] == [a["choices"][0]["text"] for a in alone]
+    assert info["stats"]["retractions"] > 0, info["stats"]
+    assert wait_pool_whole(url)["used_slots"] == 0
+
+
+def test_http_queue_limit_is_503(small_server):
+    url = small_server.base_url
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=300) as client:
+            reqs = [client.post(url + "/v1/completions", json={
+                "model": model, "prompt": f"Item {i}", "max_tokens": 32, "ignore_eos": True}) for i in range(30)]
+            return await asyncio.gather(*reqs)
+
+    responses = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert 503 in codes and 200 in codes and set(codes) <= {200, 503}
+    rejected = next(r for r in responses if r.status_code == 503)
+    assert rejected.headers.get("retry-after") and "queue" in rejected.json()["error"]["message"]
+    assert wait_pool_whole(url)["used_slots"] == 0

@@ -1,0 +1,202 @@
+"""Constrained generation through HTTP with the default model: every output parses and validates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpora" / "jsonschemabench-dev"
+PROMPT = "Return a JSON document that matches this JSON schema. Schema:\n{schema}"
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    hobbies: list[str] = Field(max_length=3)  # a 135M model at temperature 0 would list forever
+
+
+def test_parse_with_pydantic_model(client, model_name):
+    completion = client.chat.completions.parse(
+        model=model_name, messages=[{"role": "user", "content": "Describe a person named Ada, aged 36."}],
+        response_format=Person, max_tokens=200, temperature=0)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    person = choice.message.parsed
+    assert isinstance(person, Person)
+    assert Person.model_validate_json(choice.message.content) == person
+
+
+def test_json_object_and_schema_variants(base_url, model_name):
+    for rf in ({"type": "json_object"},
+               {"type": "json_schema", "json_schema": {"name": "x", "strict": False, "schema": {
+                   "type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+                   "required": ["city", "population"]}}}):
+        r = httpx.post(base_url + "/v1/chat/completions", timeout=120, json={
+            "model": model_name, "messages": [{"role": "user", "content": "Give me a city as JSON."}],
+            "response_format": rf, "max_tokens": 120, "temperature": 0})
+        body = r.json()
+        assert r.status_code == 200, body
+        assert body["grammar_backend"] in ("xgrammar", "llguidance")
+        value = json.loads(body["choices"][0]["message"]["content"])
+        assert isinstance(value, dict)
+        if rf["type"] == "json_schema":
+            jsonschema.validate(value, rf["json_schema"]["schema"])
+
+
+def test_regex_ebnf_choice(client, model_name, base_url):
+    pattern = r"\d{3}-\d{4}"
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "A phone number?"}],
+                                       max_tokens=20, temperature=0, extra_body={"regex": pattern})
+    assert re.fullmatch(pattern, r.choices[0].message.content)
+    ebnf = 'root ::= "The answer is " ("yes" | "no") "."'
+    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Is it raining?"}],
+                                       max_tokens=20, temperature=0, extra_body={"ebnf": ebnf})
+    assert r.choices[0].message.content in ("The answer is yes.", "The answer is no.")
+    choices = ["positive", "negative", "neutral"]
+    for body in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices}):
+        r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "I love it!"}],
+                                           max_tokens=10, temperature=0.8, seed=1, extra_body=body)
+        assert r.choices[0].message.content in choices
+    gen = httpx.post(base_url + "/generate", timeout=60, json={
+        "text": "Answer: ", "sampling_params": {"max_new_tokens": 10, "regex": "(yes|no)"}}).json()
+    assert gen["text"] in ("yes", "no") and gen["meta_info"]["finish_reason"]["type"] == "stop"
+    comp = client.completions.create(model=model_name, prompt="Numbers: ", max_tokens=40, temperature=0,
+                                     extra_body={"regex": "[0-9]{1,3}(, [0-9]{1,3}){2}"})
+    assert re.fullmatch("[0-9]{1,3}(, [0-9]{1,3}){2}", comp.choices[0].text)
+    assert comp.choices[0].finish_reason == "stop"
+
+
+def test_streaming_constrained(client, model_name):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    stream = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=50, temperature=0,
+        stream=True, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("backend", ["llguidance", "outlines"])
+def test_other_backends_per_request(client, model_name, backend):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "Name and a number, as JSON."}], max_tokens=80,
+        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        extra_body={"grammar_backend": backend})
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    assert r.model_extra["grammar_backend"] == backend
+
+
+def test_auto_falls_back(base_url, model_name):
+    # outlines-core has no EBNF: with `auto` the request is served by a backend that does.
+    r = httpx.post(base_url + "/v1/completions", timeout=60, json={
+        "model": model_name, "prompt": "x", "max_tokens": 5, "ebnf": 'root ::= "ok"', "grammar_backend": "outlines"})
+    assert r.status_code == 400 and "outlines" in r.json()["error"]["message"]
+    r = httpx.post(base_url + "/v1/completions", timeout=60, json={
+        "model": model_name, "prompt": "x", "max_tokens": 5, "ebnf": 'root ::= "ok"', "grammar_backend": "auto"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": "{not json"}}}, "not valid JSON"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objekt"}}}}, ""),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "schema"),
+    ({"response_format": {"type": "yaml"}}, "not supported"),
+    ({"regex": "(unclosed"}, ""),
+    ({"ebnf": "root ::= missing_rule"}, ""),
+    ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one"),
+    ({"guided_choice": []}, "non-empty"),
+    ({"grammar_backend": "nope", "regex": "a"}, "grammar_backend"),
+])
+def test_bad_constraints_are_400(base_url, model_name, body, fragment):
+    r = httpx.post(base_url + "/v1/chat/completions", timeout=60, json={
+        "model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **body})
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"]
+    # and the same through streaming: still a clean 400 before the stream starts
+    r = httpx.post(base_url + "/v1/chat/completions", timeout=60, json={
+        "model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True, **body})
+    assert r.status_code == 400
+
+
+def test_schema_limits(base_url, model_name):
+    deep: dict = {"type": "string"}
+    for _ in range(100):
+        deep = {"type": "object", "properties": {"a": deep}}
+    r = httpx.post(base_url + "/v1/chat/completions", timeout=60, json={
+        "model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": deep}}})
+    assert r.status_code == 400 and "deeper" in r.json()["error"]["message"]
+    huge = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100}
+                                             for i in range(3000)}}
+    r = httpx.post(base_url + "/v1/chat/completions", timeout=60, json={
+        "model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "h", "schema": huge}}})
+    assert r.status_code == 400 and "limit" in r.json()["error"]["message"]
+
+
+def _corpus_sample(n: int) -> list[tuple[str, dict]]:
+    files = sorted(CORPUS.glob("*.json"))
+    step = max(1, len(files) // n)
+    out = []
+    for f in files[::step][:n]:
+        out.append((f.name, json.loads(f.read_text())["schema"]))
+    return out
+
+
+@pytest.mark.skipif(not CORPUS.exists(), reason="shared corpus not present")
+def test_corpus_schemas_validate_end_to_end(make_async_client, model_name, base_url):
+    """A few hundred real schemas: every output whose grammar compiled and finished parses and validates."""
+    sample = _corpus_sample(int(os.environ.get("GRAMSERVE_E2E_SCHEMAS", "120")))
+    client = make_async_client()
+    sem = asyncio.Semaphore(32)
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+
+    async def one(name: str, schema: dict):
+        async with sem:
+            try:
+                r = await client.chat.completions.create(
+                    model=model_name, max_tokens=256, temperature=0.7, seed=0,
+                    messages=[{"role": "user", "content": PROMPT.format(schema=json.dumps(schema)[:600])}],
+                    response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+            except openai.BadRequestError as exc:
+                return name, "rejected", str(exc)
+            return name, r.choices[0].finish_reason, r.choices[0].message.content
+
+    async def run():
+        return await asyncio.gather(*(one(n, s) for n, s in sample))
+
+    results = asyncio.run(run())
+    schemas = dict(sample)
+    finished = invalid = 0
+    for name, finish, content in results:
+        if finish != "stop":
+            continue
+        finished += 1
+        try:
+            instance = json.loads(content)
+            validator = jsonschema.Draft202012Validator(schemas[name], format_checker=checker)
+            errors = list(validator.iter_errors(instance))
+        except (json.JSONDecodeError, jsonschema.SchemaError, RecursionError) as exc:
+            errors = [exc]
+        if errors:
+            invalid += 1
+            print(f"INVALID {name}: {errors[0]}\n{content[:300]}")
+    rejected = sum(1 for _, f, _ in results if f == "rejected")
+    truncated = sum(1 for _, f, _ in results if f == "length")
+    print(f"corpus e2e: {len(results)} schemas, {rejected} rejected (400), {finished} finished, "
+          f"{truncated} hit max_tokens, {invalid} invalid")
+    assert finished >= 0.5 * len(results)
+    assert invalid == 0
+    from conftest import wait_pool_whole
+
+    assert wait_pool_whole(base_url)["used_slots"] == 0
