@@ -132,3 +132,13 @@ def wait_pool_whole(base_url: str, timeout: float = 20) -> dict:
         if whole or time.time() > deadline:
             return pool
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def tight_server(tmp_path_factory):
+    """A second server with small limits: a tiny KV pool, chunked prefill, a queue limit, a short compile timeout."""
+    srv = start_server(str(tmp_path_factory.mktemp("tight")), "--kv-cache-memory-gb", "0.02",
+                       "--context-length", "512", "--chunked-prefill-size", "64", "--max-queued-requests", "6",
+                       "--kv-reserve-ratio", "0", "--grammar-compile-timeout", "1")
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]

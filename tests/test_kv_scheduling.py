@@ -9,7 +9,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from conftest import start_server, wait_pool_whole
+from conftest import wait_pool_whole
 from gramserve.config import ServerArgs
 from gramserve.messages import TokenizedGenerateReq
 from gramserve.model.loader import default_tokenizer_dir
@@ -95,17 +95,8 @@ def test_fcfs_policy_and_priority(tokenizer):
     assert order == ["high", "mid", "low"]
 
 
-@pytest.fixture(scope="module")
-def small_server(tmp_path_factory):
-    srv = start_server(str(tmp_path_factory.mktemp("small")), "--kv-cache-memory-gb", "0.02",
-                       "--context-length", "512", "--chunked-prefill-size", "64", "--max-queued-requests", "6",
-                       "--kv-reserve-ratio", "0")
-    yield srv
-    assert srv.stop() == 0
-
-
-def test_http_cached_tokens_flush_and_retraction(small_server):
-    url = small_server.base_url
+def test_http_cached_tokens_flush_and_retraction(tight_server):
+    url = tight_server.base_url
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     system = "You are a meticulous assistant. " * 12
     body = {"model": model, "max_tokens": 8, "temperature": 0,
@@ -134,8 +125,8 @@ def test_http_cached_tokens_flush_and_retraction(small_server):
     assert wait_pool_whole(url)["used_slots"] == 0
 
 
-def test_http_queue_limit_is_503(small_server):
-    url = small_server.base_url
+def test_http_queue_limit_is_503(tight_server):
+    url = tight_server.base_url
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
 
     async def burst():

@@ -200,3 +200,61 @@ def test_corpus_schemas_validate_end_to_end(make_async_client, model_name, base_
     from conftest import wait_pool_whole
 
     assert wait_pool_whole(base_url)["used_slots"] == 0
+
+
+# Compiling this takes seconds on xgrammar (a counted repetition of a bounded group).
+SLOW_SCHEMA = {"type": "object", "properties": {"code": {"type": "string",
+                                                         "pattern": "^([a-z0-9]{5,50}-){20,40}$"}},
+               "required": ["code"]}
+
+
+def test_compile_timeout_is_400_and_others_keep_running(tight_server):
+    url = tight_server.base_url
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            slow = asyncio.create_task(client.post(url + "/v1/completions", json={
+                **body, "grammar_backend": "xgrammar",
+                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SLOW_SCHEMA}}}))
+            fast = []
+            while not slow.done():
+                t0 = asyncio.get_running_loop().time()
+                r = await client.post(url + "/v1/completions", json=body)
+                fast.append((r.status_code, asyncio.get_running_loop().time() - t0))
+            return await slow, fast
+
+    slow, fast = asyncio.run(run())
+    assert slow.status_code == 400 and "limit" in slow.json()["error"]["message"], slow.text
+    assert fast and all(code == 200 for code, _ in fast)
+    # Plain requests were served while the grammar compiled (the scheduler never waits on a compile).
+    assert max(t for _, t in fast) < 5.0, fast
+
+
+def test_mixed_constrained_and_plain_traffic(make_async_client, model_name, base_url):
+    client = make_async_client()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "word": {"type": "string", "maxLength": 12}},
+              "required": ["n", "word"], "additionalProperties": False}
+
+    async def constrained(i):
+        r = await client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": f"Give a number and a word, #{i}"}],
+            max_tokens=60, temperature=0.7, seed=i,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        return r.choices[0]
+
+    async def plain(i):
+        r = await client.completions.create(model=model_name, prompt=f"Story {i}:", max_tokens=24,
+                                            temperature=0, extra_body={"ignore_eos": True})
+        return r.choices[0]
+
+    async def run():
+        return await asyncio.gather(*([constrained(i) for i in range(8)] + [plain(i) for i in range(8)]))
+
+    results = asyncio.run(run())
+    for choice in results[:8]:
+        if choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content), schema)
+    assert sum(c.finish_reason == "stop" for c in results[:8]) >= 6
+    assert all(c.finish_reason == "length" and c.text for c in results[8:])
