@@ -81,7 +81,7 @@ def _start(servers, tmp_path) -> tuple[ServerProcess, list[int]]:
     servers.append(srv)
     children = srv.child_pids()
     spawned = [p for p in children if "spawn_main" in _cmdline(p)]
-    assert len(spawned) == 2, f"expected scheduler + detokenizer children, got {_describe(children)}"
+    assert len(spawned) == 3, f"expected scheduler, detokenizer and grammar children, got {_describe(children)}"
     return srv, children
 
 
@@ -102,7 +102,7 @@ def test_nonexistent_model_exits_quickly_with_a_clear_message(ipc_tmp):
 def test_scheduler_death_stops_the_server(servers, tmp_path, ipc_tmp):
     srv, children = _start(servers, tmp_path)
     spawned = [p for p in children if "spawn_main" in _cmdline(p)]
-    # The scheduler holds the model weights: by far the largest of the two spawned children.
+    # The scheduler holds the model weights: by far the largest of the spawned children.
     scheduler = max(spawned, key=_rss_kb)
     os.kill(scheduler, signal.SIGKILL)
 
@@ -114,6 +114,7 @@ def test_scheduler_death_stops_the_server(servers, tmp_path, ipc_tmp):
     assert code != 0, log[-3000:]
     assert "scheduler process died" in log, log[-3000:]
     assert "detokenizer process died" not in log, log[-3000:]
+    assert "grammar process died" not in log, log[-3000:]
     left = _wait_gone(children, timeout=10)
     assert not left, f"child processes left behind: {_describe(left)}"
     assert not glob.glob(os.path.join(ipc_tmp, "gramserve-ipc-*")), "IPC folder left behind"

@@ -7,7 +7,7 @@ token allowed) that the scheduler reads after its forward: no mask bytes cross t
 from __future__ import annotations
 
 import logging
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import torch
 import zmq
@@ -26,9 +26,9 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def attach_bitmask(name: str, rows: int, vocab_size: int) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
+    # Attaching registers the segment with the resource tracker that spawned children share with the
+    # launcher; the launcher unlinks it (and unregisters) at shutdown.
     shm = shared_memory.SharedMemory(name=name)
-    # Python < 3.13 registers attached segments for unlinking at our exit; the launcher owns this one.
-    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
     words = bitmask_words(vocab_size)
     tensor = torch.frombuffer(shm.buf, dtype=torch.int32, count=rows * words).view(rows, words)
     return shm, tensor

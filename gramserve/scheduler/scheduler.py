@@ -322,7 +322,8 @@ class Scheduler:
         rejected = set(resp.rejected)
         for req in reqs:
             if req.rid in rejected:
-                req.finished = FinishReason("abort", message="the grammar rejected a token (internal error)")
+                req.finished = FinishReason("abort", message="the grammar rejected a token (internal error)",
+                                            status_code=500)
         self.grammar.apply(logits, [row for _, row in fill])
 
     def _output(self, reqs: list[Req]) -> BatchTokenOut:
@@ -370,7 +371,7 @@ class Scheduler:
             reqs.append(self.chunked)
         self.running, self.waiting, self.grammar_wait, self.chunked = [], deque(), {}, None
         for req in reqs:
-            req.finished = FinishReason("abort", message=message)
+            req.finished = FinishReason("abort", message=message, status_code=500)
         return self._output(reqs)
 
     def flush_cache(self) -> dict:

@@ -155,14 +155,14 @@ class TokenizerManager:
                 if out is None:
                     continue
                 fin = out.finished
-                if fin is not None and fin.type == "abort" and out.completion_tokens == 0:
+                if fin is not None and fin.status_code is not None and out.completion_tokens == 0:
                     state.finished = True
                     if fin.status_code == 400:
                         raise InvalidRequestError(fin.message or "invalid request",
                                                   "response_format" if grammar is not None else None)
                     if fin.status_code == 503:
                         raise ServerBusyError(fin.message or "server busy")
-                    raise EngineError(fin.message or "the request was aborted")
+                    raise EngineError(fin.message or "internal error")
                 yield out
                 if out.finished is not None:
                     state.finished = True
