@@ -48,7 +48,9 @@ if BENCH_DIR not in sys.path:
 import httpx  # noqa: E402
 
 from bench_serving import _short_error, compute_stats, iter_sse_data, percentile  # noqa: E402
-from run_cpu_suite import REPO_ROOT, Server, cpu_info, free_port, option_value, tail  # noqa: E402
+from run_cpu_suite import (  # noqa: E402
+    REPO_ROOT, Server, cpu_info, free_port, output_prefix, split_server_args, tail,
+)
 
 MODES = ("cache_on", "cache_off")
 
@@ -429,13 +431,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.mode_list = args.modes.replace(",", " ").split()
     if not args.mode_list or any(m not in MODES for m in args.mode_list):
         p.error(f"--modes: each of {MODES}")
-    try:
-        args.server_argv = shlex.split(args.server_args)
-    except ValueError as e:
-        p.error(f"--server-args: {e}")
-    for bad in ("--port", "--host"):
-        if option_value(args.server_argv, bad) is not None:
-            p.error(f"--server-args must not set {bad} (a free local port is picked)")
+    args.server_argv = split_server_args(p, args.server_args)
     if "--disable-radix-cache" in args.server_argv:
         p.error("--server-args must not contain --disable-radix-cache (the cache-off run adds it)")
     return args
@@ -444,12 +440,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     started = datetime.now().astimezone()
-    run_id = started.strftime("%Y%m%d-%H%M%S")
-    if args.label:
-        run_id += "_" + "".join(c if c.isalnum() or c in "-_." else "-" for c in args.label)[:40]
-    out_dir = os.path.abspath(args.output_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    prefix = os.path.join(out_dir, f"prefix_cache_{run_id}")
+    prefix = output_prefix(args.output_dir, "prefix_cache", args.label, started)
     notes: list[str] = []
     reqs, warm = build_workload(args)
     meta: dict[str, Any] = {

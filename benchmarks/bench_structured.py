@@ -48,7 +48,9 @@ if BENCH_DIR not in sys.path:
 import httpx  # noqa: E402
 
 from bench_serving import _short_error, compute_stats  # noqa: E402
-from run_cpu_suite import REPO_ROOT, Server, cpu_info, free_port, option_value, tail  # noqa: E402
+from run_cpu_suite import (  # noqa: E402
+    REPO_ROOT, Server, cpu_info, free_port, output_prefix, split_server_args, tail,
+)
 
 DEFAULT_SCHEMA = {
     "type": "object",
@@ -409,25 +411,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--schema is not JSON: {e}")
     if not isinstance(args.schema_obj, dict):
         p.error("--schema must be a JSON object")
-    try:
-        args.server_argv = shlex.split(args.server_args)
-    except ValueError as e:
-        p.error(f"--server-args: {e}")
-    for bad in ("--port", "--host"):
-        if option_value(args.server_argv, bad) is not None:
-            p.error(f"--server-args must not set {bad} (a free local port is picked)")
+    args.server_argv = split_server_args(p, args.server_args)
     return args
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     started = datetime.now().astimezone()
-    run_id = started.strftime("%Y%m%d-%H%M%S")
-    if args.label:
-        run_id += "_" + "".join(c if c.isalnum() or c in "-_." else "-" for c in args.label)[:40]
-    out_dir = os.path.abspath(args.output_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    prefix = os.path.join(out_dir, f"structured_{run_id}")
+    prefix = output_prefix(args.output_dir, "structured", args.label, started)
     notes: list[str] = []
     meta: dict[str, Any] = {
         "benchmark": "structured",

@@ -250,6 +250,28 @@ def build_markdown(meta: dict[str, Any], hf: Optional[dict[str, Any]], serving: 
 # --------------------------------------------------------------------------- main
 
 
+def split_server_args(p: argparse.ArgumentParser, text: str) -> list[str]:
+    """Parse --server-args; the benchmark picks host and port itself."""
+    try:
+        argv = shlex.split(text)
+    except ValueError as e:
+        p.error(f"--server-args: {e}")
+    for bad in ("--port", "--host"):
+        if option_value(argv, bad) is not None:
+            p.error(f"--server-args must not set {bad} (a free local port is picked)")
+    return argv
+
+
+def output_prefix(output_dir: str, name: str, label: str | None, started: datetime) -> str:
+    """`<output_dir>/<name>_<date-time>[_label]`, creating the folder."""
+    run_id = started.strftime("%Y%m%d-%H%M%S")
+    if label:
+        run_id += "_" + "".join(c if c.isalnum() or c in "-_." else "-" for c in label)[:40]
+    out_dir = os.path.abspath(output_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    return os.path.join(out_dir, f"{name}_{run_id}")
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -280,25 +302,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--num-prompts must be >= 1")
     if args.random_input_len < 1 or args.random_output_len < 1 or args.hf_iters < 1:
         p.error("lengths and --hf-iters must be >= 1")
-    try:
-        args.server_argv = shlex.split(args.server_args)
-    except ValueError as e:
-        p.error(f"--server-args: {e}")
-    for bad in ("--port", "--host"):
-        if option_value(args.server_argv, bad) is not None:
-            p.error(f"--server-args must not set {bad} (the suite picks a free local port)")
+    args.server_argv = split_server_args(p, args.server_args)
     return args
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     started = datetime.now().astimezone()
-    run_id = started.strftime("%Y%m%d-%H%M%S")
-    if args.label:
-        run_id += "_" + "".join(c if c.isalnum() or c in "-_." else "-" for c in args.label)[:40]
-    out_dir = os.path.abspath(args.output_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    prefix = os.path.join(out_dir, f"cpu_suite_{run_id}")
+    prefix = output_prefix(args.output_dir, "cpu_suite", args.label, started)
+    run_id = os.path.basename(prefix).removeprefix("cpu_suite_")
     notes: list[str] = []
 
     server_threads = option_value(args.server_argv, "--num-threads")
