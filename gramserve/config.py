@@ -41,6 +41,10 @@ class ServerArgs:
     grammar_strict_json: bool = True  # xgrammar: no undeclared properties unless the schema allows them explicitly
     grammar_max_bytes: int = 256 * 1024  # largest schema / grammar text accepted
     grammar_max_depth: int = 64  # deepest JSON nesting accepted in a schema
+    # Function calling and reasoning
+    chat_template: str | None = None  # a Jinja file or template text replacing the tokenizer's
+    tool_call_parser: str | None = None  # default: detected from the chat template (hermes when unclear)
+    reasoning_parser: str | None = None  # e.g. deepseek-r1, qwen3, qwen3-thinking; None: no reasoning split
     # Filled by the launcher at start-up.
     ipc_dir: str = ""
     grammar_shm: str = ""  # shared-memory name of the token bitmask
@@ -102,6 +106,13 @@ class ServerArgs:
                             help="JSON schemas: forbid properties/items the schema does not declare (xgrammar)")
         parser.add_argument("--grammar-max-bytes", type=int, default=defaults.grammar_max_bytes)
         parser.add_argument("--grammar-max-depth", type=int, default=defaults.grammar_max_depth)
+        parser.add_argument("--chat-template", default=None,
+                            help="a Jinja chat template (file path or the text) replacing the tokenizer's own")
+        parser.add_argument("--tool-call-parser", default=None,
+                            help="tool-call format (hermes, qwen25, llama3, mistral, pythonic, qwen3_coder, "
+                                 "deepseek_v3, kimi_k2); default: detected from the chat template")
+        parser.add_argument("--reasoning-parser", default=None,
+                            help="split reasoning into reasoning_content (deepseek-r1, qwen3, qwen3-thinking)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

@@ -22,8 +22,9 @@ class GrammarRequest:
     kind: str  # json_schema | json_object | regex | ebnf | structural_tag | choice
     text: str  # schema / grammar / regex text; for choice a JSON list of strings
     backend: str = "auto"  # xgrammar | llguidance | outlines | auto
-    # The constraint starts only after these tokens appear in the output (reasoning models' end marker).
-    start_after: tuple[int, ...] = ()
+    # The constraint starts only once the output text contains this marker (a reasoning model's end of
+    # thinking, e.g. "</think>"); matched on text, so any tokenization of the marker counts.
+    start_after: str = ""
 
 
 @dataclass

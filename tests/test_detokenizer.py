@@ -372,13 +372,14 @@ def test_manager_abort_passthrough(tok):
 
 def test_manager_skip_special_tokens_per_request(tok):
     mgr = DetokenizerManager(tok)
-    ids = tok.encode("x") + [2]
+    ids = tok.encode("x") + [2] + tok.encode("y") + [2]
     out = mgr.handle_batch(token_out([
         {"rid": "skip", "ids": ids, "finished": FinishReason("stop", matched=2)},
         {"rid": "keep", "ids": ids, "skip": False, "finished": FinishReason("stop", matched=2)},
     ]))
-    assert entry(out, "skip")["delta"] == "x"
-    assert entry(out, "keep")["delta"] == "x<|im_end|>"
+    assert entry(out, "skip")["delta"] == "xy"
+    # Special tokens inside the answer are kept; the EOS that ended it is not part of the text (as in SGLang).
+    assert entry(out, "keep")["delta"] == "x<|im_end|>y"
 
 
 def test_manager_abort_batch_after_error(tok):

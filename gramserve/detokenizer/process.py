@@ -68,7 +68,11 @@ class DetokenizerManager:
                 )
                 self.states[rid] = state
             new_ids = batch.new_token_ids[i]
-            delta = state.stop_filter.push(state.decoder.decode(new_ids, finish=sched_finish is not None))
+            text_ids = new_ids
+            if sched_finish is not None and isinstance(sched_finish.matched, int) and new_ids \
+                    and new_ids[-1] == sched_finish.matched:
+                text_ids = new_ids[:-1]  # the EOS / stop token ends the answer; its text is not part of it
+            delta = state.stop_filter.push(state.decoder.decode(text_ids, finish=sched_finish is not None))
             finished = sched_finish
             if state.stop_filter.matched is not None:
                 # The detokenizer is authoritative for text: a stop string overrides the scheduler's reason.

@@ -1,8 +1,9 @@
 """GrammarService: compiles constraints off the hot path and keeps one matcher per constrained request.
 
 Compiles run on worker threads (the backends release the GIL), so mask filling for running requests
-never waits behind a compile. A compile that outlives its timeout is answered with an error at once and
-its late result discarded. Results are cached by (backend, kind, text), failures in a negative cache.
+never waits behind a compile. A compile that outlives its timeout (counted from when it starts running)
+is answered with an error at once and its late result discarded; the pool is replaced, so later compiles
+never queue behind a runaway one. Results are cached by (backend, kind, text), failures in a negative cache.
 `auto` tries the backends in order and falls back to the next one when a backend rejects the grammar.
 """
 
@@ -73,6 +74,7 @@ class GrammarService:
         self.failures = LRU(cache_size)
         self.matchers: dict[str, Matcher] = {}
         self.pending: dict[str, _PendingCompile] = {}
+        self.compile_threads = compile_threads
         self.pool = ThreadPoolExecutor(max_workers=compile_threads, thread_name_prefix="grammar-compile")
         self.stats = {"compiled": 0, "cache_hits": 0, "failed": 0, "timeouts": 0}
         if default_backend != "auto":
@@ -115,11 +117,15 @@ class GrammarService:
                 p.errors.append(f"{backend}: {failure}")
                 continue
             p.backend, p.started = backend, time.monotonic()
-            p.future = self.pool.submit(self._compile, backend, p.grammar)
+            p.future = self.pool.submit(self._timed_compile, p, backend, p.grammar)
             self.pending[p.rid] = p
             return None
         self.stats["failed"] += 1
         return GrammarCompileResp(p.rid, None, "; ".join(p.errors) or "grammar rejected")
+
+    def _timed_compile(self, p: _PendingCompile, backend: str, grammar: GrammarRequest):
+        p.started = time.monotonic()  # the timeout counts from the start of the work, not from the queue
+        return self._compile(backend, grammar)
 
     def _compile(self, backend: str, grammar: GrammarRequest):
         if grammar.kind == "json_schema":
@@ -164,15 +170,27 @@ class GrammarService:
                 resp = self._try_next(p)
                 if resp is not None:
                     out.append(resp)
-            elif now - p.started > self.compile_timeout_s:
+            elif fut.running() and now - p.started > self.compile_timeout_s:
                 del self.pending[rid]
                 self.stats["timeouts"] += 1
                 msg = f"compiling the grammar took longer than the {self.compile_timeout_s:g} s limit"
                 self.failures.put(key, msg)
                 logger.warning("grammar for %s: %s (%s)", rid, msg, p.backend)
-                # The worker thread finishes in the background; its result is dropped.
+                # A thread cannot be stopped: it finishes in the background and its result is dropped. New
+                # compiles go to a fresh pool so they never queue behind it.
+                self._abandon_pool()
                 out.append(GrammarCompileResp(rid, None, f"{p.backend}: {msg}"))
         return out
+
+    def _abandon_pool(self) -> None:
+        old = self.pool
+        self.pool = ThreadPoolExecutor(max_workers=self.compile_threads, thread_name_prefix="grammar-compile")
+        # Compiles still queued on the old pool move over: resubmit them (the running one stays behind).
+        for p in self.pending.values():
+            if p.future is not None and p.future.cancel():
+                p.started = time.monotonic()
+                p.future = self.pool.submit(self._timed_compile, p, p.backend, p.grammar)
+        old.shutdown(wait=False)
 
     def abort(self, rid: str) -> None:
         self.pending.pop(rid, None)

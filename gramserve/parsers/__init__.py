@@ -1,0 +1,1 @@
+"""Model-output parsers: tool calls (``tool_calls``) and reasoning (``reasoning``)."""

@@ -81,6 +81,10 @@ class GrammarClient:
         """Mask `logits[rows]` in place with the bitmask rows of the same index."""
         from gramserve.grammar.backends.base import apply_bitmask
 
+        n = len(rows)
+        if rows == list(range(n)):  # the first n rows (e.g. every row constrained): mask in place, no copies
+            apply_bitmask(logits[:n], self.bitmask[:n].to(logits.device, non_blocking=True))
+            return
         idx = torch.tensor(rows, dtype=torch.long)
         sub = logits[idx.to(logits.device)]
         apply_bitmask(sub, self.bitmask[idx].to(logits.device))

@@ -73,7 +73,9 @@ class Req:
         n = len(self.output_ids)
         if self.grammar is not None and not self.grammar_started:
             marker = self.grammar.start_after
-            self.grammar_started = tuple(self.output_ids[-len(marker):]) == marker
+            # Each token is at least one character, so the last len(marker) tokens hold any marker just completed.
+            tail = tokenizer.decode(self.output_ids[-len(marker):], skip_special_tokens=False)
+            self.grammar_started = marker in tail
         past_min = n >= self.params.min_new_tokens
         if past_min and (token in self.eos_ids or token in self.stop_token_ids):
             self.finished = FinishReason("stop", matched=token)

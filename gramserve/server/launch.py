@@ -47,6 +47,16 @@ def tokenizer_dir_for(args: ServerArgs) -> str:
     return default_tokenizer_dir()
 
 
+def read_chat_template(value: str) -> str:
+    """--chat-template: a Jinja file (.jinja or any existing path) or the template text itself."""
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if value.endswith((".jinja", ".j2", ".txt")):
+        raise StartupError(f"--chat-template: no such file {value!r}")
+    return value
+
+
 def _child_entry(target, args: ServerArgs, tokenizer_dir: str, pipe) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     target(args, tokenizer_dir, pipe)
@@ -76,6 +86,8 @@ def launch_server(args: ServerArgs) -> int:
 
         tokenizer_dir = tokenizer_dir_for(args)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        if args.chat_template:
+            tokenizer.chat_template = read_chat_template(args.chat_template)
         model_cfg = ModelConfig.from_dict(load_config_dict(resolve_model(args.model_path, args.load_format)[0]))
         args.vocab_size = model_cfg.vocab_size
         eos = set(model_cfg.eos_token_ids)

@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from gramserve.config import ServerArgs
 from gramserve.messages import GrammarRequest, TokenLogprob
+from gramserve.parsers.reasoning import ReasoningParser, get_reasoning_parser
+from gramserve.parsers.tool_calls import detect_tool_call_parser, get_tool_call_parser
 from gramserve.sampling.params import SamplingParams
 from gramserve.server import protocol as P
-from gramserve.server.structured_outputs import grammar_from_fields
+from gramserve.server.chat_output import ChoiceStream, DeltaFields, final_output, finish_reason
+from gramserve.server.structured_outputs import BACKENDS, grammar_from_fields
 from gramserve.server.tokenizer_manager import GenerateOutput, InvalidRequestError, TokenizerManager
+from gramserve.server.tool_requests import ToolPlan, plan_tools, render_messages, template_supports_tools, tool_grammar
 
 MAX_TOP_LOGPROBS = 20
 
@@ -54,8 +59,6 @@ def sampling_from_request(req: P._SamplingFields, max_tokens: int | None) -> Sam
 def _params_for_choice(base: SamplingParams, i: int) -> SamplingParams:
     if base.seed is None or i == 0:
         return base
-    from dataclasses import replace
-
     return replace(base, seed=base.seed + i)
 
 
@@ -84,12 +87,35 @@ def sse(data: Any) -> str:
     return f"data: {body}\n\n"
 
 
+@dataclass
+class ChatSetup:
+    """Everything a chat request turns into before it runs."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    top_logprobs: int | None
+    grammar: GrammarRequest | None
+    tools: ToolPlan | None
+    reasoning_cls: type[ReasoningParser] | None
+    template_kwargs: dict[str, Any]
+
+    def reasoning(self) -> ReasoningParser | None:
+        return self.reasoning_cls(self.template_kwargs) if self.reasoning_cls is not None else None
+
+
 class OpenAIServing:
     def __init__(self, tm: TokenizerManager, args: ServerArgs):
         self.tm = tm
         self.args = args
         self.model_name = args.model_name
         self.max_n = args.max_n
+        chat_template = getattr(tm.tokenizer, "chat_template", None)
+        if isinstance(chat_template, dict):  # several named templates (e.g. "default", "tool_use")
+            chat_template = "\n".join(t for t in chat_template.values() if isinstance(t, str))
+        self.native_tools = template_supports_tools(chat_template)
+        self.tool_parser = args.tool_call_parser or detect_tool_call_parser(chat_template, None)
+        get_tool_call_parser(self.tool_parser)  # an unknown name fails at start-up
+        self.reasoning_cls = get_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
 
     def grammar(self, req: P._SamplingFields) -> GrammarRequest | None:
         return grammar_from_fields(req.model_dump(), self.args)
@@ -168,23 +194,38 @@ class OpenAIServing:
 
     # --- chat ---------------------------------------------------------------------------------
 
-    def _chat_input(self, req: P.ChatCompletionRequest) -> list[int]:
-        messages = []
-        for m in req.messages:
-            d = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):
-                texts = []
-                for part in m.content:
-                    if part.type != "text":
-                        raise InvalidRequestError(f"content part type {part.type!r} is not supported by this model",
-                                                  "messages")
-                    texts.append(part.text or "")
-                d["content"] = "".join(texts)
-            messages.append(d)
-        if not messages:
+    def _chat_setup(self, req: P.ChatCompletionRequest) -> ChatSetup:
+        params, top = self._chat_params(req)
+        grammar = self.grammar(req)
+        plan = plan_tools(req, self.tool_parser, self.args)
+        if plan is not None and plan.parses_calls:
+            if grammar is None:
+                backend = req.grammar_backend or self.args.grammar_backend
+                if backend not in BACKENDS:
+                    raise InvalidRequestError(f"grammar_backend must be one of {list(BACKENDS)}", "grammar_backend")
+                grammar = tool_grammar(plan, self.args, backend)
+            elif plan.mode in ("required", "named"):
+                raise InvalidRequestError("tool_choice required or a named function cannot be combined with "
+                                          "another output constraint (response_format, regex, ...)", "tool_choice")
+            # tool_choice auto plus response_format: the response format constrains; calls are still parsed.
+        kwargs = dict(req.chat_template_kwargs or {})
+        if grammar is not None and self.reasoning_cls is not None and self.reasoning_cls(kwargs).thinking:
+            # The model thinks first: the constraint applies from the end of its reasoning on.
+            grammar = replace(grammar, start_after=self.reasoning_cls.end_marker)
+        if not req.messages:
             raise InvalidRequestError("messages must not be empty", "messages")
-        return self.tm.apply_chat_template(messages, req.add_generation_prompt, req.continue_final_message,
-                                           **(req.chat_template_kwargs or {}))
+        messages, tools = render_messages(req.messages, plan, self.native_tools,
+                                          get_tool_call_parser(self.tool_parser))
+        if tools is not None:
+            kwargs["tools"] = tools
+        input_ids = self.tm.apply_chat_template(messages, req.add_generation_prompt, req.continue_final_message,
+                                                **kwargs)
+        if plan is not None and plan.parses_calls and "skip_special_tokens" not in req.model_fields_set:
+            # Call markers are special tokens in some tokenizers ([TOOL_CALLS], DeepSeek's, Kimi's): keep
+            # them in the text the parser reads (the EOS that ends the answer is dropped anyway).
+            params = replace(params, skip_special_tokens=False)
+        reasoning_cls = self.reasoning_cls if req.separate_reasoning else None
+        return ChatSetup(input_ids, params, top, grammar, plan, reasoning_cls, dict(req.chat_template_kwargs or {}))
 
     def _chat_params(self, req: P.ChatCompletionRequest) -> tuple[SamplingParams, int | None]:
         self._check_common(req)
@@ -201,25 +242,27 @@ class OpenAIServing:
         return params, top
 
     async def chat(self, req: P.ChatCompletionRequest, is_disconnected) -> P.ChatCompletionResponse:
-        params, top = self._chat_params(req)
-        grammar = self.grammar(req)
-        input_ids = self._chat_input(req)
+        setup = self._chat_setup(req)
+        top = setup.top_logprobs
         rid = P.random_id("chatcmpl")
         texts = [""] * req.n
         lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
         finals: list[GenerateOutput | None] = [None] * req.n
-        async for i, out in self._merged(input_ids, params, req.n, rid, top, is_disconnected, grammar,
-                                      req.priority):
+        async for i, out in self._merged(setup.input_ids, setup.params, req.n, rid, top, is_disconnected,
+                                         setup.grammar, req.priority):
             texts[i] += out.text
             if out.logprobs:
                 lps[i] += out.logprobs
             finals[i] = out
         choices = []
         for i, out in enumerate(finals):
+            parsed = final_output(texts[i], setup.tools, setup.reasoning())
             choices.append(P.ChatChoice(
-                index=i, message=P.ChatResponseMessage(content=texts[i]),
+                index=i, message=P.ChatResponseMessage(content=parsed.content, tool_calls=parsed.tool_calls,
+                                                       reasoning_content=parsed.reasoning_content),
                 logprobs=P.ChatLogprobs(content=self._chat_logprobs(lps[i])) if top is not None else None,
-                finish_reason=_finish_reason(out), matched_stop=out.finished.matched if out.finished else None,
+                finish_reason=finish_reason(_finish_reason(out), setup.tools, bool(parsed.tool_calls)),
+                matched_stop=out.finished.matched if out.finished else None,
             ))
         completion = sum(o.completion_tokens for o in finals)
         usage = self._usage(finals[0].prompt_tokens, completion, finals[0].cached_tokens)
@@ -228,33 +271,39 @@ class OpenAIServing:
 
     async def chat_stream(self, req: P.ChatCompletionRequest, is_disconnected) -> AsyncIterator[str]:
         """Validates eagerly (errors raise before the first byte), then returns the SSE stream."""
-        params, top = self._chat_params(req)
-        grammar = self.grammar(req)
-        input_ids = self._chat_input(req)
-        self.tm.check_lengths(input_ids, params)
+        setup = self._chat_setup(req)
+        top = setup.top_logprobs
+        self.tm.check_lengths(setup.input_ids, setup.params)
         rid = P.random_id("chatcmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        merged = await prefetch_first(self._merged(input_ids, params, req.n, rid, top, is_disconnected, grammar,
-                                      req.priority))
+        merged = await prefetch_first(self._merged(setup.input_ids, setup.params, req.n, rid, top, is_disconnected,
+                                                   setup.grammar, req.priority))
+        choice_streams = [ChoiceStream(setup.tools, setup.reasoning()) for _ in range(req.n)]
 
         async def stream() -> AsyncIterator[str]:
             totals = [0] * req.n
             prompt = cached = 0
-            usage_none = None
             for i in range(req.n):
-                yield sse(P.ChatCompletionChunk(id=rid, model=self.model_name, usage=usage_none, choices=[
+                yield sse(P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[
                     P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))]))
             try:
                 async for i, out in merged:
                     totals[i], prompt, cached = out.completion_tokens, out.prompt_tokens, out.cached_tokens
-                    if not out.text and out.finished is None and not out.logprobs:
+                    cs = choice_streams[i]
+                    fields = cs.feed(out.text) if out.text else DeltaFields()
+                    if out.finished is not None:
+                        tail = cs.finish()
+                        fields.reasoning_content += tail.reasoning_content
+                        fields.content += tail.content
+                        fields.tool_calls += tail.tool_calls
+                    if not fields and out.finished is None and not out.logprobs:
                         continue
                     choice = P.ChatStreamChoice(
-                        index=i, delta=P.DeltaMessage(content=out.text or None) if out.text else P.DeltaMessage(),
+                        index=i, delta=fields.message(),
                         logprobs=P.ChatLogprobs(content=self._chat_logprobs(out.logprobs or []))
                         if top is not None else None,
-                        finish_reason=_finish_reason(out),
+                        finish_reason=finish_reason(_finish_reason(out), setup.tools, cs.calls_made > 0),
                         matched_stop=out.finished.matched if out.finished else None)
                     usage = self._usage(prompt, totals[i], cached) if continuous else None
                     yield sse(P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[choice], usage=usage))

@@ -80,11 +80,53 @@ class TextContentPart(BaseModel):
     text: Optional[str] = None
 
 
+class FunctionCallSpec(BaseModel):
+    """A call in an assistant message of the history (arguments as OpenAI sends them: a JSON string)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    arguments: Union[str, dict[str, Any]] = "{}"
+
+
+class ToolCallSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: Optional[str] = None
+    type: str = "function"
+    function: FunctionCallSpec
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: Optional[Union[str, list[TextContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallSpec]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -92,6 +134,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
+    separate_reasoning: bool = True  # SGLang: put the reasoning phase in reasoning_content
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -146,9 +192,28 @@ class ChatLogprobs(BaseModel):
     content: Optional[list[ChatLogprobToken]] = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        # content is always present (null when the answer is only tool calls); the rest only when set.
+        out = handler(self)
+        return {k: v for k, v in out.items() if v is not None or k == "content"}
 
 
 class ChatChoice(BaseModel):
@@ -170,9 +235,31 @@ class ChatCompletionResponse(BaseModel):
     grammar_backend: Optional[str] = None  # which grammar backend constrained this output
 
 
+class DeltaFunctionCall(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

@@ -1,0 +1,146 @@
+"""Function calling on the request side: tools, tool_choice and the history, turned into a prompt and a grammar.
+
+- `plan_tools` checks `tools` / `tool_choice` / `parallel_tool_calls` and picks the tool-call parser.
+- `render_messages` prepares the history for the chat template: assistant `tool_calls` get dict arguments
+  (what templates expect); for a template without tool support the tool list and the call format go into
+  the system prompt, past calls are written in the parser's format and tool results become user turns.
+- `tool_grammar` builds the structural tag that makes every call well formed and schema-valid:
+  `required` / named / `parallel_tool_calls: false` shape it; `auto` lets free text through until a call opens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gramserve.config import ServerArgs
+from gramserve.messages import GrammarRequest
+from gramserve.parsers.tool_calls import ToolCallParser, ToolFunction, get_tool_call_parser
+from gramserve.server import protocol as P
+from gramserve.server.structured_outputs import _schema_text, _structural_tag_text
+from gramserve.server.tokenizer_manager import InvalidRequestError
+
+ToolMode = Literal["none", "auto", "required", "named"]
+EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+
+
+@dataclass
+class ToolPlan:
+    """What one chat request asks of function calling."""
+
+    tools: list[ToolFunction]
+    mode: ToolMode
+    function: str | None  # the forced function when mode == "named"
+    parallel: bool
+    parser_cls: type[ToolCallParser]
+
+    @property
+    def parses_calls(self) -> bool:
+        return self.mode != "none" and bool(self.tools)
+
+    def new_parser(self) -> ToolCallParser:
+        return self.parser_cls(self.tools)
+
+
+def plan_tools(req: P.ChatCompletionRequest, parser_name: str, args: ServerArgs) -> ToolPlan | None:
+    """None when the request has no tools and no tool_choice."""
+    if not req.tools:
+        choice = req.tool_choice
+        if choice is None or choice == "none":
+            return None
+        raise InvalidRequestError("tool_choice requires tools", "tool_choice")
+    tools: list[ToolFunction] = []
+    seen: set[str] = set()
+    for t in req.tools:
+        fn = t.function
+        if fn.name in seen:
+            raise InvalidRequestError(f"duplicate tool name {fn.name!r}", "tools")
+        seen.add(fn.name)
+        params = fn.parameters if fn.parameters is not None else EMPTY_PARAMETERS
+        # Same checks as response_format schemas: JSON object, size and depth limits.
+        params = json.loads(_schema_text(params, args, "tools"))
+        tools.append(ToolFunction(name=fn.name, parameters=params, description=fn.description,
+                                  strict=bool(fn.strict)))
+    choice = req.tool_choice or "auto"
+    function = None
+    if isinstance(choice, P.NamedToolChoice):
+        function = choice.function.name
+        if function not in seen:
+            raise InvalidRequestError(f"tool_choice names {function!r}, which is not in tools", "tool_choice")
+        mode: ToolMode = "named"
+    else:
+        mode = choice
+    return ToolPlan(tools, mode, function, req.parallel_tool_calls, get_tool_call_parser(parser_name))
+
+
+def tool_grammar(plan: ToolPlan, args: ServerArgs, backend: str) -> GrammarRequest | None:
+    """The structural tag that constrains calls; None for tool_choice none."""
+    if not plan.parses_calls:
+        return None
+    parser = plan.new_parser()
+    tag = parser.structural_tag("named" if plan.mode == "named" else plan.mode, plan.parallel, plan.function)
+    return GrammarRequest(kind="structural_tag", text=_structural_tag_text(tag, args, "tools"), backend=backend)
+
+
+def template_supports_tools(chat_template: str | None) -> bool:
+    return bool(chat_template) and "tools" in chat_template
+
+
+def _call_dict(call: P.ToolCallSpec) -> dict[str, Any]:
+    args = call.function.arguments
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise InvalidRequestError(f"tool call {call.function.name!r} in the history has arguments that are "
+                                      "not valid JSON", "messages") from None
+    return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.type != "text":
+            raise InvalidRequestError(f"content part type {part.type!r} is not supported by this model", "messages")
+        parts.append(part.text or "")
+    return "".join(parts)
+
+
+def render_messages(messages: list[P.ChatMessage], plan: ToolPlan | None, native_tools: bool,
+                    parser_cls: type[ToolCallParser]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages for the template, `tools=` for the template or None)."""
+    out: list[dict[str, Any]] = []
+    parser = plan.new_parser() if plan is not None else parser_cls([])
+    for m in messages:
+        d = m.model_dump(exclude_none=True, exclude={"tool_calls", "content"})
+        d["content"] = _text(m.content)
+        if m.tool_calls:
+            calls = [_call_dict(c) for c in m.tool_calls]
+            if native_tools:
+                d["tool_calls"] = calls
+            else:
+                rendered = parser.render_calls([(c["function"]["name"], c["function"]["arguments"]) for c in calls])
+                d["content"] = (d["content"] + "\n" if d["content"] else "") + rendered
+        if m.role == "tool" and not native_tools:
+            d = {"role": "user", "content": f"<tool_response>\n{d['content']}\n</tool_response>"}
+        out.append(d)
+    if plan is None or not plan.parses_calls:
+        return out, None
+    if native_tools:
+        return out, [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                                       "parameters": t.parameters}} for t in plan.tools]
+    instructions = parser.system_prompt()
+    if plan.mode == "named":
+        instructions += f"\nYou must call the function {plan.function}."
+    elif plan.mode == "required":
+        instructions += "\nYou must call at least one function."
+    if out and out[0]["role"] in ("system", "developer"):
+        out[0] = {**out[0], "content": (out[0]["content"] + "\n\n" + instructions).strip()}
+    else:
+        out.insert(0, {"role": "system", "content": instructions})
+    return out, None

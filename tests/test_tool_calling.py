@@ -1,0 +1,332 @@
+"""Function calling through HTTP with real clients: the openai SDK, instructor and LangChain.
+
+The default model's ChatML template has no tool support, so the server writes the tool list and the
+hermes call format into the system prompt; constrained calls (required, named, strict) must always parse
+and validate against the tool's parameters, in non-streaming and streaming responses alike.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import jsonschema
+import pytest
+from pydantic import BaseModel, Field
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 40},
+                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Get the local time in a timezone.",
+        "parameters": {
+            "type": "object",
+            "properties": {"timezone": {"type": "string", "maxLength": 40}},
+            "required": ["timezone"],
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris, in celsius? And what time is it in Tokyo?"}]
+
+
+def check_call(name: str, arguments: str) -> dict:
+    assert name in SCHEMAS, name
+    args = json.loads(arguments)
+    jsonschema.validate(args, SCHEMAS[name])
+    return args
+
+
+def test_named_function_call(client, model_name):
+    r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, max_tokens=80,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.message.content is None
+    calls = choice.message.tool_calls
+    assert len(calls) == 1
+    assert calls[0].type == "function" and calls[0].id.startswith("call_")
+    assert calls[0].function.name == "get_weather"
+    check_call(calls[0].function.name, calls[0].function.arguments)
+
+
+def test_required_calls_validate(client, model_name):
+    r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=160, temperature=0.7, seed=3, n=3)
+    # The small model tends to repeat calls until max_tokens; every complete call returned must be valid.
+    for choice in r.choices:
+        assert choice.finish_reason in ("tool_calls", "length")
+        if choice.finish_reason == "tool_calls":
+            assert choice.message.tool_calls
+        calls = choice.message.tool_calls or []
+        assert len({c.id for c in calls}) == len(calls)
+        for call in calls:
+            check_call(call.function.name, call.function.arguments)
+    assert any(c.message.tool_calls for c in r.choices)
+
+
+def test_parallel_tool_calls_false_gives_one_call(client, model_name):
+    r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=120)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert len(choice.message.tool_calls) == 1
+    check_call(choice.message.tool_calls[0].function.name, choice.message.tool_calls[0].function.arguments)
+
+
+def test_auto_calls_that_start_are_valid(client, model_name):
+    # A history of earlier calls makes the small model open a call; whatever it opens must be valid.
+    history = [
+        {"role": "user", "content": "Weather in Rome in celsius?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Rome", "unit": "celsius"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"},
+        {"role": "assistant", "content": "It is 21 C and sunny in Rome."},
+        {"role": "user", "content": "Weather in Oslo in fahrenheit?"},
+    ]
+    r = client.chat.completions.create(model=model_name, messages=history, tools=TOOLS, max_tokens=120,
+                                       temperature=0.8, seed=7, n=4)
+    for choice in r.choices:
+        for call in choice.message.tool_calls or []:
+            check_call(call.function.name, call.function.arguments)
+        if choice.message.tool_calls:
+            assert choice.finish_reason in ("tool_calls", "length")
+        else:
+            assert choice.message.content is not None
+
+
+def test_tool_choice_none_answers_in_text(client, model_name):
+    r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, tool_choice="none",
+                                       max_tokens=20)
+    assert r.choices[0].message.tool_calls is None
+    assert r.choices[0].message.content
+
+
+def test_stream_deltas_accumulate(client, model_name):
+    with client.chat.completions.stream(model=model_name, messages=ASK, tools=TOOLS, tool_choice="required",
+                                        max_tokens=160) as stream:
+        raw = []
+        for event in stream:
+            if event.type == "chunk":
+                raw.append(event.chunk)
+        final = stream.get_final_completion()
+    choice = final.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        check_call(call.function.name, call.function.arguments)
+    # OpenAI's delta shape: a call's first delta has id, type, name and arguments ""; later ones only
+    # index and argument fragments.
+    seen: dict[int, dict] = {}
+    for chunk in raw:
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                if d.index not in seen:
+                    assert d.id and d.type == "function" and d.function.name
+                    assert d.function.arguments is not None
+                    seen[d.index] = {"name": d.function.name, "arguments": d.function.arguments}
+                else:
+                    assert d.id is None and d.function.name is None
+                    seen[d.index]["arguments"] += d.function.arguments or ""
+    assert [seen[i]["name"] for i in sorted(seen)] == [c.function.name for c in choice.message.tool_calls]
+    for i, call in zip(sorted(seen), choice.message.tool_calls):
+        assert json.loads(seen[i]["arguments"]) == json.loads(call.function.arguments)
+
+
+def test_stream_named_function_finishes_with_stop(base_url, model_name):
+    body = {"model": model_name, "messages": ASK, "tools": TOOLS, "max_tokens": 80, "stream": True,
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    reasons, args, names = [], "", []
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                reasons.append(c.get("finish_reason"))
+                for d in c["delta"].get("tool_calls", []):
+                    if "name" in d.get("function", {}):
+                        names.append(d["function"]["name"])
+                    args += d.get("function", {}).get("arguments", "")
+    assert names == ["get_time"]
+    check_call("get_time", args)
+    assert [x for x in reasons if x] == ["stop"]
+
+
+def test_truncated_call_reports_length(client, model_name):
+    r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, max_tokens=6,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert r.choices[0].finish_reason == "length"
+    assert not r.choices[0].message.tool_calls
+
+
+def test_history_with_tool_results(client, model_name):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_a", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}},
+            {"id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": '{"timezone": "JST"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "18 C, cloudy"},
+        {"role": "tool", "tool_call_id": "call_b", "content": "21:05"},
+    ]
+    r = client.chat.completions.create(model=model_name, messages=messages, tools=TOOLS, tool_choice="none",
+                                       max_tokens=24)
+    assert r.choices[0].message.content
+    assert r.usage.prompt_tokens > 100  # the tool list, the calls and the results are all in the prompt
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1, 2]}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, None),
+])
+def test_bad_tool_requests_get_400(base_url, model_name, body, param):
+    r = httpx.post(base_url + "/v1/chat/completions", timeout=60,
+                   json={"model": model_name, "messages": ASK, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param:
+        assert err["param"] == param
+
+
+def test_bad_history_arguments_get_400(base_url, model_name):
+    messages = ASK + [{"role": "assistant", "tool_calls": [
+        {"id": "x", "type": "function", "function": {"name": "get_time", "arguments": "{not json"}}]}]
+    r = httpx.post(base_url + "/v1/chat/completions", timeout=60,
+                   json={"model": model_name, "messages": messages, "tools": TOOLS, "max_tokens": 4})
+    assert r.status_code == 400, r.text
+
+
+# --- the openai SDK's helpers --------------------------------------------------------------------
+
+
+class Weather(BaseModel):
+    city: str = Field(max_length=30)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+class CityFacts(BaseModel):
+    name: str = Field(max_length=30)
+    country: str = Field(max_length=30)
+    founded: int = Field(ge=0, le=2100)
+
+
+def test_sdk_parse_with_pydantic_function_tool(client, model_name):
+    import openai
+
+    tool = openai.pydantic_function_tool(Weather, name="get_weather")
+    assert tool["function"]["strict"] is True
+    r = client.chat.completions.parse(model=model_name, messages=ASK, tools=[tool], max_tokens=80,
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    call = r.choices[0].message.tool_calls[0]
+    assert isinstance(call.function.parsed_arguments, Weather)
+
+
+def test_sdk_parse_with_response_format(client, model_name):
+    r = client.chat.completions.parse(model=model_name, max_tokens=80, response_format=CityFacts,
+                                      messages=[{"role": "user", "content": "Give facts about Paris as JSON."}])
+    assert isinstance(r.choices[0].message.parsed, CityFacts)
+
+
+# --- instructor and LangChain --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor(base_url, model_name, mode):
+    import instructor
+    from openai import OpenAI
+
+    raw = OpenAI(base_url=base_url + "/v1", api_key="none", timeout=120, max_retries=0)
+    client = instructor.from_openai(raw, mode=getattr(instructor.Mode, mode))
+    facts = client.chat.completions.create(model=model_name, response_model=CityFacts, max_retries=0,
+                                           max_tokens=80,
+                                           messages=[{"role": "user", "content": "Facts about Rome, please."}])
+    assert isinstance(facts, CityFacts)
+
+
+def test_langchain_bind_tools_and_structured_output(base_url, model_name):
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
+        """Get the current weather in a city."""
+        return "sunny"
+
+    llm = ChatOpenAI(model=model_name, base_url=base_url + "/v1", api_key="none", max_tokens=80, temperature=0,
+                     use_responses_api=False, max_retries=0, timeout=120)
+    msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Madrid in celsius?")
+    assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
+    assert msg.tool_calls[0]["args"]["unit"] in ("celsius", "fahrenheit")
+
+    for method in ("function_calling", "json_schema"):
+        out = llm.with_structured_output(CityFacts, method=method).invoke("Facts about Berlin.")
+        assert isinstance(out, CityFacts), method
+
+
+# --- a chat template with native tool support ------------------------------------------------------
+
+TEMPLATE = __import__("pathlib").Path(__file__).parent / "data" / "tools_chatml.jinja"
+
+
+@pytest.fixture(scope="module")
+def native_server(tmp_path_factory):
+    from conftest import start_server
+
+    srv = start_server(str(tmp_path_factory.mktemp("native-tools")), "--chat-template", str(TEMPLATE))
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def test_native_template_gets_tools_and_dict_arguments(native_server):
+    from transformers import AutoTokenizer
+
+    from gramserve.model.loader import default_tokenizer_dir
+
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_a", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "18 C"},
+    ]
+    r = httpx.post(native_server.base_url + "/v1/chat/completions", timeout=120, json={
+        "model": "default", "messages": history, "tools": TOOLS, "max_tokens": 80,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    (call,) = choice["message"]["tool_calls"]
+    check_call(call["function"]["name"], call["function"]["arguments"])
+    # The prompt is exactly the template rendered with tools= and dict arguments (no system-prompt injection).
+    tok = AutoTokenizer.from_pretrained(default_tokenizer_dir())
+    expected = [dict(m) for m in history]
+    expected[1] = {**expected[1], "content": "", "tool_calls": [{"id": "call_a", "type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]}
+    text = tok.apply_chat_template(expected, tools=[{"type": "function", "function": {
+        "name": t["function"]["name"], "description": t["function"]["description"],
+        "parameters": t["function"]["parameters"]}} for t in TOOLS], chat_template=TEMPLATE.read_text(),
+        tokenize=False, add_generation_prompt=True)
+    assert '"arguments": {"city": "Paris", "unit": "celsius"}' in text
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(text, add_special_tokens=False))
