@@ -8,6 +8,7 @@ arrive asynchronously and are collected with `poll_compiles`.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 import zmq
@@ -35,6 +36,8 @@ class GrammarClient:
         self._accept: list[tuple[str, int]] = []
         self._free: list[str] = []
         self._compiled: list[GrammarCompileResp] = []
+        # Where constrained steps spend the scheduler's time (ms, cumulative; /get_server_info shows them).
+        self.timing = {"steps": 0, "wait_after_forward_ms": 0.0, "apply_ms": 0.0, "fill_ms": 0.0}
 
     def compile(self, rid: str, grammar: GrammarRequest) -> None:
         self.to_grammar.send_pyobj(GrammarCompileReq(rid, grammar))
@@ -57,6 +60,14 @@ class GrammarClient:
             self.begin_step([])
 
     def finish_step(self, step: int) -> GrammarStepResp:
+        t0 = time.perf_counter()
+        resp = self._wait_step(step)
+        self.timing["steps"] += 1
+        self.timing["wait_after_forward_ms"] += (time.perf_counter() - t0) * 1e3
+        self.timing["fill_ms"] += resp.fill_ms
+        return resp
+
+    def _wait_step(self, step: int) -> GrammarStepResp:
         while True:
             if not self.inbox.poll(STEP_TIMEOUT_MS):
                 raise GrammarProcessError(f"no mask from the grammar process for step {step}")
@@ -79,6 +90,11 @@ class GrammarClient:
 
     def apply(self, logits: torch.Tensor, rows: list[int]) -> None:
         """Mask `logits[rows]` in place with the bitmask rows of the same index."""
+        t0 = time.perf_counter()
+        self._apply(logits, rows)
+        self.timing["apply_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def _apply(self, logits: torch.Tensor, rows: list[int]) -> None:
         from gramserve.grammar.backends.base import apply_bitmask
 
         n = len(rows)
