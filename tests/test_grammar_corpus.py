@@ -142,6 +142,21 @@ def test_json_object(backend, tokenizer):
         assert not accepts(backend, c, bad, tokenizer), bad
 
 
+def test_required_but_undeclared_property_is_enforced(backend, tokenizer):
+    # From the corpus: "required" names a key that "properties" does not declare; it must still appear.
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a", "id"]}
+    c = backend.compile(GrammarSpec("json_schema", json.dumps(schema)))
+    assert not accepts(backend, c, '{"a": "x"}', tokenizer)
+    assert accepts(backend, c, '{"a": "x", "id": 3}', tokenizer)
+    typed = {**schema, "additionalProperties": {"type": "integer"}}
+    c = backend.compile(GrammarSpec("json_schema", json.dumps(typed)))
+    assert accepts(backend, c, '{"a": "x", "id": 3}', tokenizer)
+    assert not accepts(backend, c, '{"a": "x", "id": "3"}', tokenizer)
+    closed = {**schema, "additionalProperties": False}
+    with pytest.raises(GrammarCompileError, match="additionalProperties is false"):
+        backend.compile(GrammarSpec("json_schema", json.dumps(closed)))
+
+
 def test_json_schema(backend, tokenizer):
     schema = {
         "type": "object",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from decimal import Decimal
 import os
 import re
 from pathlib import Path
@@ -184,8 +185,11 @@ def test_corpus_schemas_validate_end_to_end(make_async_client, model_name, base_
             continue
         finished += 1
         try:
-            instance = json.loads(content)
-            validator = jsonschema.Draft202012Validator(schemas[name], format_checker=checker)
+            # Decimals, not floats: 10000.89 is a multiple of 0.01, though 10000.89 / 0.01 is not an integer in
+            # binary floating point (JSON numbers are decimal; backends enforce multipleOf on the decimal text).
+            instance = json.loads(content, parse_float=Decimal)
+            schema = json.loads(json.dumps(schemas[name]), parse_float=Decimal)
+            validator = jsonschema.Draft202012Validator(schema, format_checker=checker)
             errors = list(validator.iter_errors(instance))
         except (json.JSONDecodeError, jsonschema.SchemaError, RecursionError) as exc:
             errors = [exc]

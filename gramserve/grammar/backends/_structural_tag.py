@@ -42,10 +42,27 @@ def normalize(text: str) -> dict:
                 except ValueError as e:
                     raise GrammarCompileError(f"structural_tag: invalid schema JSON ({e})") from None
             tags.append({"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": schema}, "end": s["end"]})
-        return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
+        tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
     if tag.get("type", "structural_tag") != "structural_tag" or not isinstance(tag.get("format"), dict):
         raise GrammarCompileError('structural_tag: expected {"type": "structural_tag", "format": {...}}')
+    _declare_required_in(tag["format"])
     return tag
+
+
+def _declare_required_in(fmt) -> None:
+    """Apply schema_normalize.declare_required to every json_schema content (in place)."""
+    from gramserve.grammar.schema_normalize import declare_required
+
+    stack = [fmt]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
+                node["json_schema"] = declare_required(node["json_schema"])
+                continue
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 class _LarkBuilder:

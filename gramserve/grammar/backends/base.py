@@ -290,7 +290,9 @@ def parse_json_schema(text: str) -> dict | bool:
         raise GrammarCompileError(f"json_schema: the schema is not valid JSON ({e})") from None
     if not isinstance(schema, (dict, bool)):
         raise GrammarCompileError("json_schema: the schema must be a JSON object (or a boolean)")
-    return schema
+    from gramserve.grammar.schema_normalize import declare_required  # imports this module
+
+    return declare_required(schema)
 
 
 _GBNF_RULE = re.compile(r"^\s*[A-Za-z_][A-Za-z0-9_.-]*\s*::=", re.M)
