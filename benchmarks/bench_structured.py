@@ -13,7 +13,7 @@ For each value of ``--concurrencies`` it sends ``--num-requests`` (default ``max
 Both kinds use the same prompt text (it asks for a long JSON list), made unique per run and request so that
 no run finds another run's whole prompt in the prefix cache. Throughput = sum of ``usage.completion_tokens``
 of the successful requests / wall time of the batch. Run order, to spread the drift of a noisy machine over
-both kinds: for each concurrency, ``u, c, u, c`` (``--repeats`` pairs); the table shows the mean of the
+both kinds: for each concurrency, ``u, c, c, u, ...`` (``--repeats`` pairs, every other one reversed); the table shows the mean of the
 repeats and the ratio constrained / unconstrained (target >= 0.95). One unconstrained and one constrained
 warm-up request (which compiles the schema) go first. Grammar-related counters of ``GET /get_server_info``
 (grammar step timing, when the server exposes it) are reported as deltas per run.
@@ -263,7 +263,8 @@ async def run_all(base_url: str, args: argparse.Namespace) -> tuple[list[dict[st
         for c in args.concurrency_list:
             n = args.num_requests or max(8, 2 * c)
             for rep in range(args.repeats):
-                for kind in KINDS:
+                # u c, then c u: a machine that drifts slower or faster over the run hurts both kinds alike
+                for kind in (KINDS if rep % 2 == 0 else KINDS[::-1]):
                     rows.append(await one_batch(http, base_url, model, kind, c, n, rep, args))
     return rows, warm
 
@@ -331,7 +332,7 @@ def build_markdown(meta: dict[str, Any], agg: list[dict[str, Any]], warm: dict[s
         f"- workload: chat completions, max_tokens {meta['max_tokens']}, temperature 0, not streamed; unconstrained "
         f"with ignore_eos; constrained with response_format json_schema `{json.dumps(meta['schema'])}`, grammar "
         f"backend requested: {meta['grammar_backend'] or '(server default)'}, used: {', '.join(backends) or 'n/a'}; "
-        f"order per concurrency: {' '.join(['u c'] * meta['repeats'])}, mean of {meta['repeats']}; "
+        f"order per concurrency: {' '.join(['u c', 'c u'][i % 2] for i in range(meta['repeats']))}, mean of {meta['repeats']}; "
         f"server args: `{meta['server_args'] or '(none)'}`",
         "",
         "| concurrency | requests | unconstrained tok/s | constrained tok/s | constrained / unconstrained | "

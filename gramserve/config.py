@@ -50,6 +50,7 @@ class ServerArgs:
     grammar_shm: str = ""  # shared-memory name of the token bitmask
     vocab_size: int = 0  # logits width
     eos_token_ids: tuple[int, ...] = ()
+    grammar_text_tokens: tuple[str, ...] = ()  # tool-call / reasoning markers grammars may match as one token
 
     @property
     def model_name(self) -> str:

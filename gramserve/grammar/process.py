@@ -48,7 +48,8 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> Non
 
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         shm, bitmask = attach_bitmask(args.grammar_shm, args.max_running_requests, args.vocab_size)
-        options = GrammarOptions(max_whitespace=args.grammar_max_whitespace, strict_json=args.grammar_strict_json)
+        options = GrammarOptions(max_whitespace=args.grammar_max_whitespace, strict_json=args.grammar_strict_json,
+                                 text_tokens=tuple(args.grammar_text_tokens))
         service = GrammarService(tokenizer, args.vocab_size, args.eos_token_ids, options, bitmask,
                                  default_backend=args.grammar_backend,
                                  compile_timeout_s=args.grammar_compile_timeout)

@@ -47,6 +47,26 @@ def tokenizer_dir_for(args: ServerArgs) -> str:
     return default_tokenizer_dir()
 
 
+def resolve_parsers(args: ServerArgs, tokenizer) -> tuple[str, tuple[str, ...]]:
+    """The tool-call parser's name (detected from the chat template unless given) and the markers of it and
+    of the reasoning parser, which grammars may match as single special tokens."""
+    from gramserve.parsers.reasoning import get_reasoning_parser
+    from gramserve.parsers.tool_calls import detect_tool_call_parser, get_tool_call_parser
+
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = "\n".join(t for t in template.values() if isinstance(t, str))
+    try:
+        name = args.tool_call_parser or detect_tool_call_parser(template, None)
+        markers = list(get_tool_call_parser(name).markers)
+        if args.reasoning_parser:
+            cls = get_reasoning_parser(args.reasoning_parser)
+            markers += [cls.start_marker, cls.end_marker]
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
+    return name, tuple(dict.fromkeys(markers))
+
+
 def read_chat_template(value: str) -> str:
     """--chat-template: a Jinja file (.jinja or any existing path) or the template text itself."""
     if os.path.isfile(value):
@@ -94,6 +114,7 @@ def launch_server(args: ServerArgs) -> int:
         if tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         args.eos_token_ids = tuple(sorted(eos))
+        args.tool_call_parser, args.grammar_text_tokens = resolve_parsers(args, tokenizer)
         shm = create_bitmask_shm(args.max_running_requests, args.vocab_size)
         args.grammar_shm = shm.name
         pipes = {}

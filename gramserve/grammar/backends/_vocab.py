@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 logger = logging.getLogger(__name__)
 
@@ -151,3 +151,15 @@ def vocab_bytes(tokenizer) -> VocabBytes:
     with _cache_lock:
         _cache[id(tokenizer)] = (tokenizer, result)
     return result
+
+
+def with_text_tokens(vocab: VocabBytes, tokenizer, texts: tuple[str, ...]) -> VocabBytes:
+    """`vocab` where the special tokens whose content is one of `texts` stand for that text."""
+    tokens = list(vocab.tokens)
+    changed = False
+    for idx, tok in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        content = str(getattr(tok, "content", tok))
+        if content in texts and int(idx) < len(tokens) and tokens[int(idx)] is None:
+            tokens[int(idx)] = content.encode("utf-8")
+            changed = True
+    return replace(vocab, tokens=tuple(tokens)) if changed else vocab

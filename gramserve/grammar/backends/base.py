@@ -71,6 +71,9 @@ class GrammarOptions:
     compile_threads: threads xgrammar may use to compile one grammar.
     cache_limit_bytes: size bound of xgrammar's compiled-grammar cache (-1: unbounded).
     outlines_max_recursion_depth: how deep outlines unrolls recursive ``$ref`` schemas.
+    text_tokens: special tokens that may stand for their own text (xgrammar and outlines), e.g. a
+        tool-call marker such as Mistral's ``[TOOL_CALLS]``, so that a grammar spelling the marker
+        accepts the single token the model emits for it. Other special tokens never match text.
     """
 
     max_whitespace: int | None = 2
@@ -78,6 +81,7 @@ class GrammarOptions:
     lenient_json: bool = False
     coerce_one_of: bool = True
     unicode_escapes: bool = True
+    text_tokens: tuple[str, ...] = ()
     compile_threads: int = 2
     cache_limit_bytes: int = 512 * 1024 * 1024
     outlines_max_recursion_depth: int = 3
@@ -121,6 +125,10 @@ class GrammarBackend(ABC):
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.options = options or GrammarOptions()
         self.vocab = vocab_bytes(tokenizer)
+        if self.options.text_tokens:
+            from ._vocab import with_text_tokens
+
+            self.vocab = with_text_tokens(self.vocab, tokenizer, self.options.text_tokens)
         # Ids below this may be text tokens; ids from here to vocab_size are always masked.
         self.text_vocab_size = min(self.vocab.size, self.vocab_size)
         for t in self.eos_token_ids:

@@ -82,6 +82,9 @@ class ToolCallParser(ABC):
     name: ClassVar[str]
     # Regex (``regex`` module syntax) matching the start of a call region.
     start_pattern: ClassVar[str]
+    # Marker strings of the format that some tokenizers make single special tokens: the grammar process
+    # lets those tokens stand for their text, so a constrained call can use them.
+    markers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, tools: list[ToolFunction]):
         from ._engine import Engine

@@ -42,6 +42,7 @@ def _read_call(text: str, pos: int):
 class DeepSeekV3ToolCallParser(ToolCallParser):
     name: ClassVar[str] = "deepseek_v3"
     start_pattern: ClassVar[str] = CALLS_BEGIN
+    markers: ClassVar[tuple[str, ...]] = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
     def _parse_region(self, text: str, start: int) -> Region:
         return read_section(text, start, _read_call, open=CALLS_BEGIN, close=r"\s*" + CALLS_END)

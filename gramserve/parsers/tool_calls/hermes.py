@@ -16,6 +16,7 @@ _read_call = json_args_call(r"<tool_call>\s*" + JSON_CALL_HEAD, r"\s*\}\s*</tool
 class HermesToolCallParser(ToolCallParser):
     name: ClassVar[str] = "hermes"
     start_pattern: ClassVar[str] = r"<tool_call>"
+    markers: ClassVar[tuple[str, ...]] = ("<tool_call>", "</tool_call>")
 
     def _parse_region(self, text: str, start: int) -> Region:
         # One call per region; the next <tool_call> starts its own region.

@@ -43,6 +43,7 @@ _read_call = json_args_call(
 class KimiK2ToolCallParser(ToolCallParser):
     name: ClassVar[str] = "kimi_k2"
     start_pattern: ClassVar[str] = regex.escape(SECTION_BEGIN)
+    markers: ClassVar[tuple[str, ...]] = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGS_BEGIN, CALL_END)
 
     def _parse_region(self, text: str, start: int) -> Region:
         return read_section(text, start, _read_call, open=regex.escape(SECTION_BEGIN), close=r"\s*" + regex.escape(SECTION_END))

@@ -21,6 +21,7 @@ class Llama3ToolCallParser(ToolCallParser):
     name: ClassVar[str] = "llama3"
     # <|python_tag|>, or a JSON object whose first key is "name" (or "type").
     start_pattern: ClassVar[str] = r'<\|python_tag\|>|\{"(?:name|type)"\s*:'
+    markers: ClassVar[tuple[str, ...]] = (PYTHON_TAG,)
 
     def _parse_region(self, text: str, start: int) -> Region:
         return read_section(text, start, _read_call, open=r"(?:<\|python_tag\|>)?\s*", sep=r"\s*;\s*")

@@ -21,6 +21,7 @@ _read_named_call = json_args_call(
 class MistralToolCallParser(ToolCallParser):
     name: ClassVar[str] = "mistral"
     start_pattern: ClassVar[str] = r"\[TOOL_CALLS\]"
+    markers: ClassVar[tuple[str, ...]] = (TOOL_CALLS, "[ARGS]")
 
     def _parse_region(self, text: str, start: int) -> Region:
         rest = text[start + len(TOOL_CALLS):].lstrip()

@@ -55,6 +55,7 @@ def _strip_one_newline(v: str) -> str:
 class Qwen3CoderToolCallParser(ToolCallParser):
     name: ClassVar[str] = "qwen3_coder"
     start_pattern: ClassVar[str] = r"<tool_call>"
+    markers: ClassVar[tuple[str, ...]] = ("<tool_call>", "</tool_call>")
 
     def __init__(self, tools: list[ToolFunction]):
         super().__init__(tools)
