@@ -18,10 +18,12 @@ class ServerArgs:
     port: int = 30000
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto | torch | flashinfer | triton | flashinfer_triton (see --help)
     context_length: int | None = None  # defaults to the model's max_position_embeddings
     kv_cache_memory_gb: float | None = None  # KV pool budget; default: a share of free memory
     mem_fraction_static: float = 0.85  # GPU: fraction of device memory for weights + KV
+    cuda_graph_max_bs: int = 256  # GPU: decode batches up to this size replay captured CUDA graphs
+    disable_cuda_graph: bool = False
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192  # tokens in one prefill step
     chunked_prefill_size: int = 512  # long prompts are prefilled in chunks of this many tokens (0: off)
@@ -80,10 +82,16 @@ class ServerArgs:
         parser.add_argument("--port", type=int, default=defaults.port)
         parser.add_argument("--device", default=defaults.device, choices=["auto", "cpu", "cuda"])
         parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-        parser.add_argument("--attention-backend", default=defaults.attention_backend, choices=["torch"])
+        parser.add_argument("--attention-backend", default=defaults.attention_backend,
+                            choices=["auto", "torch", "flashinfer", "triton", "flashinfer_triton"],
+                            help="auto: on CUDA FlashInfer prefill + Triton decode (flashinfer_triton) when both "
+                                 "are installed and the dtype is 16-bit, else triton; on CPU torch")
         parser.add_argument("--context-length", type=int, default=None)
         parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
-        parser.add_argument("--mem-fraction-static", type=float, default=defaults.mem_fraction_static)
+        parser.add_argument("--mem-fraction-static", type=float, default=defaults.mem_fraction_static,
+                            help="GPU: share of device memory for weights + KV pool (activations come out of the rest)")
+        parser.add_argument("--cuda-graph-max-bs", type=int, default=defaults.cuda_graph_max_bs)
+        parser.add_argument("--disable-cuda-graph", action="store_true")
         parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
         parser.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens)
         parser.add_argument("--max-queued-requests", type=int, default=None,

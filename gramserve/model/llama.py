@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gramserve.model.attention.base import AttentionBackend
-from gramserve.model.forward_batch import ForwardBatch
+from gramserve.model.forward_batch import ForwardBatch, ForwardMode
 from gramserve.model.model_config import ModelConfig, UnsupportedModelError
 
 
@@ -25,6 +25,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from gramserve.model import fused_ops
+
+            return fused_ops.rmsnorm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -72,6 +76,10 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D]."""
+        if x.is_cuda:
+            from gramserve.model import fused_ops
+
+            return fused_ops.rope(x, self.cos, self.sin, positions)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         x1, x2 = x.float().chunk(2, dim=-1)
@@ -111,6 +119,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from gramserve.model import fused_ops
+
+            return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -144,11 +156,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Returns float32 logits: one row per request (its last new token), or per new token."""
-        backend.init_forward_metadata(batch)
+        if batch.attn_metadata is None:  # a CUDA graph's batch comes with its metadata
+            backend.init_forward_metadata(batch)
         x = self.embed_tokens(batch.input_ids)
         for layer in self.layers:
             x = layer(x, batch.positions, self.rope, backend, batch)
-        if not batch.return_all_logits:
+        if not batch.return_all_logits and batch.mode != ForwardMode.DECODE:  # decode: every token is a last one
             x = x[batch.last_token_indices()]
         x = self.norm(x)
         return F.linear(x, self.lm_head_weight).float()

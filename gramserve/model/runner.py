@@ -1,4 +1,8 @@
-"""ModelRunner: builds the model on its device, loads weights, sizes and owns the KV cache, runs forwards."""
+"""ModelRunner: builds the model on its device, loads weights, sizes and owns the KV cache, runs forwards.
+
+On CUDA it also picks the attention backend (`auto`: the fastest installed), sizes the KV pool from
+`--mem-fraction-static` after the weights and an activation reserve, and replays decode CUDA graphs.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from gramserve.config import ServerArgs
-from gramserve.model.attention import create_backend
+from gramserve.model.attention import create_backend, resolve_backend_name
 from gramserve.model.forward_batch import ForwardBatch
 from gramserve.model.kv_cache import KVCache
 from gramserve.model.llama import LlamaForCausalLM
@@ -37,6 +41,9 @@ class RunnerInfo:
     eos_token_ids: list[int]
     num_params: int
     load_seconds: float
+    attention_backend: str = "torch"
+    cuda_graph_max_bs: int = 0  # 0: decode runs without CUDA graphs
+    memory: dict | None = None  # GiB: weights, kv_pool, activation reserve, device total (CUDA only)
 
 
 def pick_device(name: str) -> torch.device:
@@ -69,19 +76,27 @@ class ModelRunner:
         else:
             self._load_safetensors(path)
 
+        self.memory: dict | None = None
         num_slots = self._kv_slots(max_running_requests)
         self.kv_cache = KVCache(self.config.num_layers, num_slots, self.config.num_kv_heads,
                                 self.config.head_dim, self.dtype, self.device)
-        self.backend = create_backend(args.attention_backend, self.kv_cache)
+        if self.memory is not None:
+            self.memory["kv_pool_gib"] = round(self.kv_cache.nbytes / 2**30, 2)
+        backend_name = resolve_backend_name(args.attention_backend, self.device, self.dtype)
+        self.backend = create_backend(backend_name, self.kv_cache, self.config.num_heads)
+        self.graph_runner = None  # made by init_cuda_graphs once the req_to_token table exists
         self.info = RunnerInfo(
             model_path=path, architecture=self.config.architecture, device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."), context_length=self.context_length,
             max_total_tokens=num_slots, vocab_size=self.config.vocab_size,
             eos_token_ids=self.config.eos_token_ids, num_params=self.config.num_params(),
-            load_seconds=time.time() - t0,
+            load_seconds=time.time() - t0, attention_backend=backend_name, memory=self.memory,
         )
-        logger.info("model %s loaded on %s (%s) in %.1f s; KV pool %d tokens",
-                    self.config.architecture, self.device, self.info.dtype, self.info.load_seconds, num_slots)
+        logger.info("model %s loaded on %s (%s, %s attention) in %.1f s; KV pool %d tokens",
+                    self.config.architecture, self.device, self.info.dtype, backend_name, self.info.load_seconds,
+                    num_slots)
+        if self.memory is not None:
+            logger.info("GPU memory (GiB): %s", self.memory)
 
     def _build_model(self) -> LlamaForCausalLM:
         # Built on the meta device so that no time goes into random init of weights we overwrite.
@@ -115,10 +130,19 @@ class ModelRunner:
         if self.args.kv_cache_memory_gb is not None:
             budget = self.args.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            activations = 2 * 2**30
-            budget = total * self.args.mem_fraction_static - used - activations
+            used = total - free  # weights, CUDA context, and whatever else runs on this GPU
+            activations = self._activation_bytes(max_running_requests)
+            # The static share holds weights + KV; activations and CUDA graphs come out of the rest, and
+            # where the rest is too small for our estimate the KV pool gives way.
+            budget = total * self.args.mem_fraction_static - used
+            budget -= max(0.0, activations - total * (1 - self.args.mem_fraction_static))
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            self.memory = {"device_total_gib": round(total / 2**30, 2), "weights_gib": round(weights / 2**30, 2),
+                           "used_before_kv_gib": round(used / 2**30, 2),
+                           "activation_reserve_gib": round(activations / 2**30, 2),
+                           "mem_fraction_static": self.args.mem_fraction_static}
         else:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = min(2 * 2**30, 0.2 * avail)
@@ -129,6 +153,34 @@ class ModelRunner:
             raise RuntimeError(f"KV budget of {budget / 2**30:.2f} GiB holds only {slots} tokens; give more memory")
         return slots
 
+    def _activation_bytes(self, max_running_requests: int) -> float:
+        """Rough peak of transient memory: logits of the largest batch (+ sampler copies), one prefill chunk's
+        hidden states, workspaces and CUDA graphs."""
+        cfg, elt = self.config, torch.empty((), dtype=self.dtype).element_size()
+        logits = max_running_requests * cfg.vocab_size * 4 * 3
+        tokens = self.args.chunked_prefill_size if self.args.chunked_prefill_size > 0 else self.args.max_prefill_tokens
+        per_token = (cfg.hidden_size * 4 + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * 3
+                     + cfg.intermediate_size * 3) * elt
+        return logits + tokens * per_token + 1.5 * 2**30
+
+    def init_cuda_graphs(self, req_to_token: torch.Tensor) -> None:
+        """Capture decode graphs over the scheduler's req_to_token table (CUDA, graph-capable backend only)."""
+        args = self.args
+        if (self.device.type != "cuda" or args.disable_cuda_graph or args.cuda_graph_max_bs <= 0
+                or not self.backend.supports_cuda_graph):
+            return
+        from gramserve.model.cuda_graph_runner import CudaGraphRunner
+
+        self.graph_runner = CudaGraphRunner(self.model, self.backend, req_to_token, args.cuda_graph_max_bs)
+        self.graph_runner.capture()
+        self.info.cuda_graph_max_bs = self.graph_runner.max_bs
+        if self.memory is not None:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            self.memory["free_after_graphs_gib"] = round(free / 2**30, 2)
+            logger.info("GPU memory after graph capture (GiB): %s", self.memory)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch)
         return self.model(batch, self.backend)

@@ -32,6 +32,12 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
+def _plain_greedy(r: SamplingRow) -> bool:
+    p = r.params
+    return (p.greedy and not r.suppress_ids and not p.logit_bias and not p.frequency_penalty
+            and not p.presence_penalty and p.repetition_penalty == 1.0)
+
+
 class Sampler:
     def __init__(self, vocab_size: int, tokenizer_vocab_size: int, device: torch.device):
         self.vocab_size = vocab_size
@@ -41,6 +47,10 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int = -1) -> SampleResult:
         """logits: [B, V] float32. num_top_logprobs < 0 skips logprob computation."""
+        if num_top_logprobs < 0 and all(_plain_greedy(r) for r in rows):
+            # The common serving case: one argmax over the real vocabulary and one copy of the ids to the host.
+            width = self.pad_columns.start if self.pad_columns is not None else logits.shape[-1]
+            return SampleResult(logits[:, :width].argmax(dim=-1).tolist(), None, None)
         logits = logits.clone()
         if self.pad_columns is not None:
             logits[:, self.pad_columns] = float("-inf")

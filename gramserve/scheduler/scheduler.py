@@ -44,6 +44,7 @@ class Scheduler:
         self.context_length = info.context_length
         self.allocator = TokenSlotAllocator(info.max_total_tokens, self.device)
         self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length, self.device)
+        self.runner.init_cuda_graphs(self.req_pool.table)  # GPU: decode graphs read this table
         self.sampler = Sampler(info.vocab_size, len(tokenizer), self.device)
         self.eos_ids = set(args.eos_token_ids or info.eos_token_ids)
         if tokenizer.eos_token_id is not None:
@@ -224,14 +225,17 @@ class Scheduler:
     def _decode_batch(self, reqs: list[Req]) -> ForwardBatch:
         slots = self._alloc(len(reqs))
         ids, positions, rows = [], [], []
-        for req, slot in zip(reqs, slots):
+        for req in reqs:
             positions.append(req.kv_len)
-            self.req_pool.table[req.req_pool_idx, req.kv_len] = slot
             req.kv_len += 1
             ids.append(req.output_ids[-1])
             rows.append(req.req_pool_idx)
+        positions_t = torch.tensor(positions)
+        # One scatter for the whole batch (a write per request costs a kernel launch each on a GPU).
+        self.req_pool.table[torch.tensor(rows).to(self.device), positions_t.to(self.device)] = \
+            slots.to(self.req_pool.table.dtype)
         seq_lens = [r.kv_len for r in reqs]
-        return self._make_batch(ForwardMode.DECODE, ids, torch.tensor(positions), slots, rows,
+        return self._make_batch(ForwardMode.DECODE, ids, positions_t, slots, rows,
                                 seq_lens, [s - 1 for s in seq_lens], [1] * len(reqs))
 
     def _make_batch(self, mode, ids, positions, locs, rows, seq_lens, prefix_lens, new_lens) -> ForwardBatch:
@@ -274,7 +278,8 @@ class Scheduler:
         else:
             return self._output(early) if early else None
 
-        fill = [(r.rid, i) for i, r in enumerate(reqs) if r.constrained and r in sampling]
+        samples = {id(r) for r in sampling}  # a set: list membership is quadratic in the batch size
+        fill = [(r.rid, i) for i, r in enumerate(reqs) if r.constrained and id(r) in samples]
         if fill:
             step_id = self.grammar.begin_step(fill)  # masks are filled while the model runs
         try:
@@ -285,7 +290,7 @@ class Scheduler:
             raise
         if fill:
             self._apply_grammar(logits, reqs, fill, step_id)
-        rows = [i for i, r in enumerate(reqs) if r in sampling]
+        rows = [i for i, r in enumerate(reqs) if id(r) in samples]
         if rows:
             self._sample(logits[rows] if len(rows) < len(reqs) else logits, [reqs[i] for i in rows])
         self.stats["forward_steps"] += 1
@@ -403,6 +408,7 @@ class Scheduler:
             "num_waiting": len(self.waiting),
             "num_grammar_compiling": len(self.grammar_wait),
             "stats": dict(self.stats),
+            "grammar_timing": dict(self.grammar.timing) if self.grammar is not None else {},
         }
 
 

@@ -1,0 +1,652 @@
+"""GPU benchmark of gramserve in one run, with a short table printed last.
+
+Drives the engine in-process (Scheduler + ModelRunner, no HTTP server and no detokenizer; the grammar
+service runs in-process with mask filling on a worker thread while the forward runs), on dummy bf16 weights in
+the shapes of Llama-3.1-8B and Llama-3.2-1B:
+
+1. decode at batch 1: time per output token (median scheduler step) vs the roofline, i.e. the bytes of
+   weights read per token / the device-to-device copy bandwidth measured in the same run;
+2. throughput: N requests (default 1,000) with ShareGPT-like random lengths, all submitted at once: output tok/s;
+3. HF transformers on a subset of the same prompts (batched `generate`, and `generate_batch` where it exists)
+   and gramserve on the same subset: the ratio;
+4. JSON-schema-constrained vs unconstrained decode tok/s at batch 1, 32 and 256 (bitmask applied on the GPU);
+5. attention micro-benchmarks per backend (decode and prefill) with achieved bandwidth / FLOP rate.
+
+    python benchmarks/bench_gpu.py --assets .gpu --out bench_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import os
+import random
+import statistics
+import sys
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from gramserve.config import ServerArgs  # noqa: E402
+from gramserve.messages import GrammarCompileReq, GrammarRequest, GrammarStepReq, TokenizedGenerateReq  # noqa: E402
+from gramserve.sampling.params import SamplingParams  # noqa: E402
+
+log = logging.getLogger("bench_gpu")
+GRAMMAR_MODE = "process"  # process: the server's GrammarBackend process; thread: in-process service
+DEVICE = "cuda"  # "cpu" only for a smoke run of the script itself (--device cpu)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+RESULTS: dict = {}
+SCHEMA = json.dumps({
+    "type": "object",
+    "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
+                   "tags": {"type": "array", "items": {"type": "string"}}, "summary": {"type": "string"}},
+    "required": ["title", "year", "tags", "summary"],
+})
+
+
+def save(path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+def section(name: str):
+    """Run a benchmark section; an exception is logged and recorded, the run goes on."""
+    def wrap(fn):
+        def run(*a, **kw):
+            t0 = time.time()
+            try:
+                return fn(*a, **kw)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                RESULTS.setdefault("errors", []).append(f"{name}: {type(e).__name__}: {e}")
+            finally:
+                log.info("section %s took %.1f s", name, time.time() - t0)
+        return run
+    return wrap
+
+
+# --- measurement helpers ---------------------------------------------------------------------------
+
+def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy, bytes read + written per second (median of 20)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def workload(n: int, seed: int, vocab: int, in_mean=200, out_mean=180) -> list[tuple[list[int], int]]:
+    """ShareGPT-like: log-normal lengths (sigma 0.9) with the given means, clipped to [4, 1024] / [4, 512]."""
+    rng = random.Random(seed)
+    sigma = 0.9
+
+    def draw(mean, hi):
+        return int(min(hi, max(4, rng.lognormvariate(math.log(mean) - sigma ** 2 / 2, sigma))))
+    out = []
+    for _ in range(n):
+        n_in, n_out = draw(in_mean, 1024), draw(out_mean, 512)
+        out.append(([rng.randrange(100, vocab) for _ in range(n_in)], n_out))
+    return out
+
+
+class LocalGrammarClient:
+    """The scheduler's GrammarClient interface over an in-process GrammarService. Masks for a step are filled
+    on a worker thread while the forward runs (the server does this in the GrammarBackend process)."""
+
+    def __init__(self, service, bitmask: torch.Tensor):
+        from gramserve.scheduler.grammar_client import GrammarClient
+
+        self._apply = GrammarClient.apply
+        self.service, self.bitmask = service, bitmask
+        self._accept, self._free, self._compiled = [], [], []
+        self._worker = ThreadPoolExecutor(1)
+        self._future = None
+        self._step = 0
+        self.fill_ms: list[float] = []
+
+    def compile(self, rid, grammar):
+        resp = self.service.submit(GrammarCompileReq(rid, grammar))
+        if resp is not None:
+            self._compiled.append(resp)
+
+    def poll_compiles(self):
+        out, self._compiled = self._compiled + self.service.poll_compiles(), []
+        return out
+
+    def accept(self, rid, token):
+        self._accept.append((rid, token))
+
+    def free(self, rid):
+        self._free.append(rid)
+
+    def begin_step(self, fill):
+        self._step += 1
+        req = GrammarStepReq(self._step, self._accept, fill, self._free)
+        self._accept, self._free = [], []
+        self._future = self._worker.submit(self.service.step, req)
+        return self._step
+
+    def finish_step(self, step):
+        resp = self._future.result()
+        self.fill_ms.append(resp.fill_ms)
+        return resp
+
+    def flush(self):
+        if self._accept or self._free:
+            self.begin_step([])
+            self._future.result()
+
+    def apply(self, logits, rows):
+        self._apply(self, logits, rows)
+
+
+class Engine:
+    """A Scheduler in this process, driven step by step."""
+
+    def __init__(self, model_json: str, tokenizer_dir: str, grammar: bool, **overrides):
+        from transformers import AutoTokenizer
+
+        from gramserve.scheduler.scheduler import Scheduler
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        cfg = json.load(open(model_json))
+        self.args = ServerArgs(model_path=model_json, load_format="dummy", tokenizer_path=tokenizer_dir,
+                               context_length=4096, device=DEVICE, **overrides)
+        self.args.vocab_size = cfg["vocab_size"]
+        client = None
+        if grammar:
+            from gramserve.grammar.backends.base import GrammarOptions
+            from gramserve.grammar.service import GrammarService
+
+            eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], list) else [cfg["eos_token_id"]]
+            eos = sorted(set(eos) | {self.tokenizer.eos_token_id})
+            self.args.eos_token_ids = tuple(eos)
+            # Masks over the tokenizer's vocabulary: the dummy models' logits are wider (128,256 columns vs
+            # 49,152 tokens) and the columns past the bitmask are disallowed when it is applied. Padding the
+            # grammar's vocabulary with ~79k empty tokens makes xgrammar's fills ~5x slower.
+            gvocab = len(self.tokenizer)
+            eos = [t for t in eos if t < gvocab]
+            self.args.eos_token_ids = tuple(eos)
+            words = (gvocab + 31) // 32
+            bitmask = torch.zeros((self.args.max_running_requests, words), dtype=torch.int32)
+            bitmask = bitmask.pin_memory() if DEVICE == "cuda" else bitmask
+            if GRAMMAR_MODE == "process":
+                client = self._grammar_process(tokenizer_dir, gvocab)
+            else:
+                service = GrammarService(self.tokenizer, gvocab, eos,
+                                         GrammarOptions(max_whitespace=2, strict_json=True), bitmask,
+                                         default_backend="xgrammar")
+                client = LocalGrammarClient(service, bitmask)
+        t0 = time.time()
+        self.sched = Scheduler(self.args, self.tokenizer, client)
+        self.start_seconds = time.time() - t0
+        self.info = self.sched.runner.info
+        self.vocab = len(self.tokenizer)
+        self._rid = 0
+
+    def _grammar_process(self, tokenizer_dir: str, gvocab: int):
+        """The server's own GrammarBackend process and GrammarClient (ZeroMQ + shared-memory bitmask)."""
+        import multiprocessing as mp
+        import tempfile
+
+        import zmq
+
+        from gramserve.grammar.process import create_bitmask_shm, run_grammar_process
+        from gramserve.scheduler.grammar_client import GrammarClient
+
+        class TimedGrammarClient(GrammarClient):
+            fill_ms: list[float] = []
+
+            def finish_step(self, step):
+                resp = super().finish_step(step)
+                self.fill_ms.append(resp.fill_ms)
+                return resp
+
+        self.args.ipc_dir = tempfile.mkdtemp(prefix="gramserve-bench-")
+        self.args.vocab_size = gvocab
+        self.args.grammar_backend = "xgrammar"
+        self._shm = create_bitmask_shm(self.args.max_running_requests, gvocab)
+        self.args.grammar_shm = self._shm.name
+        ctx = mp.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)
+        self._gproc = ctx.Process(target=run_grammar_process, args=(self.args, tokenizer_dir, writer), daemon=True)
+        self._gproc.start()
+        if not reader.poll(180):
+            raise RuntimeError("grammar process did not start")
+        msg = reader.recv()
+        if "error" in msg:
+            raise RuntimeError(msg["error"])
+        return TimedGrammarClient(self.args, zmq.Context())
+
+    def add(self, prompt: list[int], max_new: int, grammar: bool = False) -> None:
+        self._rid += 1
+        params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=not grammar)
+        g = GrammarRequest("json_schema", SCHEMA, backend="xgrammar") if grammar else None
+        self.sched.add_request(TokenizedGenerateReq(f"r{self._rid}", prompt, params, grammar=g))
+
+    def busy(self) -> bool:
+        s = self.sched
+        return bool(s.running or s.waiting or s.chunked or s.grammar_wait or s.finished_early)
+
+    def run(self) -> dict:
+        """Step until idle. Returns wall time, output tokens and per-step (kind, batch, seconds)."""
+        steps, out_tokens = [], 0
+        sync()
+        t0 = time.perf_counter()
+        while self.busy():
+            self.sched.poll_grammar()
+            ts = time.perf_counter()
+            out = self.sched.step()
+            dt = time.perf_counter() - ts
+            if out is not None:
+                n = sum(len(t) for t in out.new_token_ids)
+                out_tokens += n
+                steps.append(("prefill" if self.sched._last_was_prefill else "decode", len(out.rids), n, dt))
+        wall = time.perf_counter() - t0
+        return {"wall_s": wall, "output_tokens": out_tokens, "steps": steps}
+
+    def close(self) -> None:
+        if getattr(self, "_gproc", None) is not None:
+            self._gproc.terminate()
+            self._gproc.join(5)
+            self._shm.close()
+            self._shm.unlink()
+        del self.sched
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+def step_histogram(steps) -> dict:
+    """Decode steps bucketed by batch size: count, mean ms, share of the decode time."""
+    edges = [1, 8, 32, 64, 128, 256, 512, 768, 1024, 10**9]
+    total = sum(s[3] for s in steps) or 1.0
+    out = {}
+    for lo, hi in zip(edges, edges[1:]):
+        sel = [s[3] for s in steps if lo <= s[1] < hi]
+        if sel:
+            out[f"{lo}-{hi - 1}"] = {"steps": len(sel), "mean_ms": 1e3 * statistics.mean(sel),
+                                     "share": sum(sel) / total}
+    return out
+
+
+def weight_bytes_per_token(runner) -> int:
+    """Bytes of weights a decode step reads: every parameter except an untied input embedding (one row)."""
+    model = runner.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.lm_head is not None:
+        emb = model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+# --- sections ------------------------------------------------------------------------------------------
+
+@section("decode_b1")
+def bench_decode_b1(eng: Engine, name: str, bw: float) -> None:
+    rng = random.Random(0)
+    eng.add([rng.randrange(100, eng.vocab) for _ in range(128)], 256)  # warm-up request
+    eng.run()
+    eng.add([rng.randrange(100, eng.vocab) for _ in range(128)], 256)
+    res = eng.run()
+    dec = [s[3] for s in res["steps"] if s[0] == "decode"]
+    per_tok = statistics.median(dec)
+    wbytes = weight_bytes_per_token(eng.sched.runner)
+    roof = wbytes / bw
+    graph_ms = None
+    gr = eng.sched.runner.graph_runner
+    if gr is not None:  # the GPU time alone: replays of the batch-1 graph back to back
+        times = []
+        for _ in range(30):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            gr.graphs[1].replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        graph_ms = statistics.median(times)
+        replay = {}
+        for bs in (64, 256, 512):  # GPU time of larger decode batches (KV of one slot each: weights-bound)
+            if bs in gr.graphs:
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                gr.graphs[bs].replay()
+                a.record()
+                for _ in range(10):
+                    gr.graphs[bs].replay()
+                b.record()
+                b.synchronize()
+                replay[bs] = a.elapsed_time(b) / 10
+        RESULTS.setdefault("graph_replay_ms", {})[name] = replay
+    RESULTS.setdefault("decode_b1", {})[name] = {
+        "graph_replay_ms": graph_ms,
+        "ms_per_token_median": per_tok * 1e3, "ms_per_token_mean": statistics.mean(dec) * 1e3,
+        "weight_gb_per_token": wbytes / 1e9, "roofline_ms": roof * 1e3, "ratio_to_roofline": per_tok / roof,
+        "cuda_graphs": eng.info.cuda_graph_max_bs > 0}
+    log.info("%s decode b1: %.2f ms/token (graph replay alone %s ms), roofline %.2f ms (%.2fx)", name, per_tok * 1e3,
+             graph_ms, roof * 1e3, per_tok / roof)
+
+
+@section("throughput")
+def bench_throughput(eng: Engine, name: str, reqs) -> None:
+    for prompt, n_out in reqs:
+        eng.add(prompt, n_out)
+    res = eng.run()
+    pre = sum(s[3] for s in res["steps"] if s[0] == "prefill")
+    dec = [s for s in res["steps"] if s[0] == "decode"]
+    RESULTS.setdefault("throughput", {})[name] = {
+        "requests": len(reqs), "input_tokens": sum(len(p) for p, _ in reqs), "output_tokens": res["output_tokens"],
+        "wall_s": res["wall_s"], "output_tok_s": res["output_tokens"] / res["wall_s"],
+        "total_tok_s": (res["output_tokens"] + sum(len(p) for p, _ in reqs)) / res["wall_s"],
+        "prefill_s": pre, "decode_s": sum(s[3] for s in dec), "decode_steps": len(dec),
+        "mean_decode_batch": statistics.mean(s[1] for s in dec) if dec else 0,
+        "decode_by_batch": step_histogram(dec),
+        "retractions": eng.sched.stats["retractions"]}
+    log.info("%s throughput: %s", name, RESULTS["throughput"][name])
+
+
+@section("gramserve_hf_subset")
+def bench_subset(eng: Engine, name: str, subset, n_out: int) -> None:
+    for prompt, _ in subset:
+        eng.add(prompt, n_out)
+    res = eng.run()
+    RESULTS.setdefault("hf_compare", {}).setdefault(name, {})["gramserve_subset_tok_s"] = \
+        res["output_tokens"] / res["wall_s"]
+
+
+@section("grammar")
+def bench_grammar(eng: Engine, name: str, batch_sizes=(1, 32, 256), n_out: int = 96) -> None:
+    rng = random.Random(3)
+    out = {}
+    eng.add([rng.randrange(100, eng.vocab) for _ in range(32)], 8, grammar=True)  # compile + warm-up
+    eng.run()
+    for bs in batch_sizes:
+        row = {}
+        for constrained in (False, True):
+            prompts = [[rng.randrange(100, eng.vocab) for _ in range(64)] for _ in range(bs)]
+            eng.sched.grammar.fill_ms.clear()
+            for p in prompts:
+                eng.add(p, n_out, grammar=constrained)
+            res = eng.run()
+            full = [s for s in res["steps"] if s[0] == "decode" and s[1] == bs]
+            use = full if len(full) >= 8 else [s for s in res["steps"] if s[0] == "decode"]
+            tok_s = sum(s[2] for s in use) / sum(s[3] for s in use)
+            row["constrained" if constrained else "unconstrained"] = tok_s
+            row[("constrained" if constrained else "unconstrained") + "_steps"] = len(use)
+            if constrained and eng.sched.grammar.fill_ms:
+                row["mask_fill_ms_median"] = statistics.median(eng.sched.grammar.fill_ms)
+            row[("constrained" if constrained else "unconstrained") + "_step_ms"] = \
+                1e3 * sum(s[3] for s in use) / max(1, len(use))
+        row["ratio"] = row["constrained"] / row["unconstrained"]
+        out[bs] = row
+        log.info("%s grammar bs=%d: %s", name, bs, row)
+    RESULTS.setdefault("grammar", {})[name] = out
+
+
+@section("hf")
+def bench_hf(model_json: str, name: str, subset, n_out: int) -> None:
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig  # noqa: F401
+
+    cfg = AutoConfig.for_model(**json.load(open(model_json)))
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    model.generation_config.eos_token_id = None
+    res = RESULTS.setdefault("hf_compare", {}).setdefault(name, {})
+    res["transformers"] = transformers.__version__
+    res["requests"], res["max_new_tokens"] = len(subset), n_out
+    prompts = [p for p, _ in subset]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    with torch.no_grad():
+        model.generate(ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, do_sample=False,
+                       pad_token_id=0)  # warm-up
+        sync()
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False,
+                             pad_token_id=0)
+        sync()
+        dt = time.perf_counter() - t0
+    gen = (out.shape[1] - width) * len(prompts)
+    res["generate_tok_s"] = gen / dt
+    log.info("HF generate %s: %d tokens in %.1f s", name, gen, dt)
+    if hasattr(model, "generate_batch"):
+        try:
+            import inspect
+
+            gc_ = GenerationConfig(max_new_tokens=n_out, do_sample=False, eos_token_id=None, pad_token_id=0)
+            kw = {}
+            if "warmup" in inspect.signature(model.generate_batch).parameters:
+                kw["warmup"] = False  # its warm-up (graph capture) runs in an untimed call first
+                model.generate_batch(inputs=prompts[:4], generation_config=GenerationConfig(
+                    max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0))
+            sync()
+            t0 = time.perf_counter()
+            outs = model.generate_batch(inputs=prompts, generation_config=gc_, **kw)
+            sync()
+            dt = time.perf_counter() - t0
+            gen = sum(len(o.generated_tokens) for o in outs.values())
+            res["generate_batch_tok_s"] = gen / dt
+            log.info("HF generate_batch %s: %d tokens in %.1f s", name, gen, dt)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            res["generate_batch_error"] = f"{type(e).__name__}: {e}"
+    del model
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+@section("attention")
+def bench_attention(backends: list[str], hq=32, hkv=8, d=128) -> None:
+    from triton.testing import do_bench
+
+    from gramserve.model.attention import create_backend
+    from gramserve.model.forward_batch import ForwardBatch, ForwardMode
+    from gramserve.model.kv_cache import KVCache
+
+    dev = torch.device("cuda")
+    slots = 300_000
+    kv = KVCache(1, slots, hkv, d, torch.bfloat16, dev)
+    kv.k[0].normal_()
+    kv.v[0].normal_()
+    table = torch.zeros((256, 8192), dtype=torch.int32, device=dev)
+    cases = [("decode", 1, 4096, 0), ("decode", 64, 1024, 0), ("decode", 256, 1024, 0), ("decode", 64, 4096, 0),
+             ("prefill", 1, 4096, 0), ("prefill", 8, 512, 1536), ("prefill", 32, 128, 896)]
+    out = {}
+    for backend_name in backends:
+        backend = create_backend(backend_name, kv, hq)
+        for mode, bs, new, prefix in cases:
+            if mode == "decode":
+                total = new  # KV length; one new token
+                new_tok, pre = 1, total - 1
+            else:
+                total, new_tok, pre = prefix + new, new, prefix
+            perm = torch.randperm(slots, device=dev)[: bs * total].int() + 1
+            table[:bs, :total] = perm.view(bs, total)
+            loc = table[:bs, pre:total].reshape(-1).long()
+            t = bs * new_tok
+            batch = ForwardBatch(
+                ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND,
+                torch.zeros(t, dtype=torch.long, device=dev),
+                torch.arange(pre, total, device=dev).repeat(bs), loc,
+                torch.arange(bs, device=dev), torch.full((bs,), total, device=dev), [total] * bs, [pre] * bs,
+                [new_tok] * bs, table)
+            q = torch.randn(t, hq, d, dtype=torch.bfloat16, device=dev)
+            k = torch.randn(t, hkv, d, dtype=torch.bfloat16, device=dev)
+            v = torch.randn_like(k)
+            backend.init_forward_metadata(batch)
+            ms = do_bench(lambda: backend.forward(q, k, v, 0, batch, d ** -0.5), warmup=25, rep=100,
+                          return_mode="median")
+            kv_bytes = bs * total * hkv * d * 2 * 2
+            flops = 4 * bs * hq * d * (new_tok * pre + new_tok * (new_tok + 1) / 2)
+            key = f"{mode} bs={bs} kv={total}" + (f" new={new_tok}" if mode == "prefill" else "")
+            out.setdefault(key, {})[backend_name] = {"us": ms * 1e3, "kv_gb_s": kv_bytes / ms / 1e6,
+                                                     "tflop_s": flops / ms / 1e9}
+            log.info("attention %s %s: %.1f us", backend_name, key, ms * 1e3)
+    RESULTS["attention"] = out
+
+
+def table() -> str:
+    lines = []
+    gpu = RESULTS.get("env", {}).get("gpu")
+    bw = RESULTS.get("env", {}).get("copy_bw_tb_s")
+    lines.append(f"GPU {gpu}; device-to-device copy {bw:.2f} TB/s" if bw else f"GPU {gpu}")
+    lines.append("| model | decode b1 ms/token | b1 graph replay ms | roofline ms | ratio | throughput out tok/s | HF generate tok/s | "
+                 "HF generate_batch tok/s | gramserve subset tok/s | ratio vs HF generate |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    for name in RESULTS.get("models", []):
+        d = RESULTS.get("decode_b1", {}).get(name, {})
+        t = RESULTS.get("throughput", {}).get(name, {})
+        h = RESULTS.get("hf_compare", {}).get(name, {})
+
+        def f(x, fmt="{:.0f}"):
+            return fmt.format(x) if isinstance(x, (int, float)) else "-"
+        ratio = (h["gramserve_subset_tok_s"] / h["generate_tok_s"]) if "generate_tok_s" in h and \
+            "gramserve_subset_tok_s" in h else None
+        lines.append(f"| {name} | {f(d.get('ms_per_token_median'), '{:.2f}')} | {f(d.get('graph_replay_ms'), '{:.2f}')} | "
+                     f"{f(d.get('roofline_ms'), '{:.2f}')} | "
+                     f"{f(d.get('ratio_to_roofline'), '{:.2f}x')} | {f(t.get('output_tok_s'))} | "
+                     f"{f(h.get('generate_tok_s'))} | {f(h.get('generate_batch_tok_s'))} | "
+                     f"{f(h.get('gramserve_subset_tok_s'))} | {f(ratio, '{:.1f}x')} |")
+    g = RESULTS.get("grammar", {})
+    if g:
+        lines.append("")
+        lines.append("| model | batch | unconstrained tok/s | constrained tok/s | ratio | mask fill ms/step |")
+        lines.append("|---|---|---|---|---|---|")
+        for name, rows in g.items():
+            for bs, r in rows.items():
+                lines.append(f"| {name} | {bs} | {r['unconstrained']:.0f} | {r['constrained']:.0f} | {r['ratio']:.3f} | "
+                             f"{r.get('mask_fill_ms_median', float('nan')):.2f} |")
+    a = RESULTS.get("attention", {})
+    if a:
+        backends = sorted({b for v in a.values() for b in v})
+        lines.append("")
+        lines.append("| attention (32 q / 8 kv heads x 128, bf16) | " + " | ".join(f"{b} us (GB/s or TFLOP/s)"
+                                                                              for b in backends) + " |")
+        lines.append("|---|" + "---|" * len(backends))
+        for key, per in a.items():
+            cells = []
+            for b in backends:
+                r = per.get(b)
+                if r is None:
+                    cells.append("-")
+                elif key.startswith("decode"):
+                    cells.append(f"{r['us']:.1f} ({r['kv_gb_s']:.0f} GB/s)")
+                else:
+                    cells.append(f"{r['us']:.1f} ({r['tflop_s']:.0f} TFLOP/s)")
+            lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    if RESULTS.get("errors"):
+        lines.append("")
+        lines += [f"ERROR {e}" for e in RESULTS["errors"]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--assets", default=".gpu", help="folder with the model config JSONs and the tokenizer files")
+    p.add_argument("--models", default="llama-3.1-8b,llama-3.2-1b")
+    p.add_argument("--hf-models", default="llama-3.1-8b", help="models also run through HF transformers")
+    p.add_argument("--grammar-models", default="llama-3.1-8b,llama-3.2-1b")
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--hf-requests", type=int, default=128)
+    p.add_argument("--attention-backends", default="torch,flashinfer,triton")
+    p.add_argument("--attention-backend", default="auto", help="the engine's backend")
+    p.add_argument("--max-running-requests", type=int, default=1024)
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--cuda-graph-max-bs", type=int, default=512)
+    p.add_argument("--skip", default="", help="comma list of: attention,decode,throughput,hf,grammar")
+    p.add_argument("--out", default="bench_gpu.json")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script, numbers meaningless")
+    p.add_argument("--grammar-batch-sizes", default="1,32,256")
+    p.add_argument("--grammar-mode", default="process", choices=["process", "thread"],
+                   help="process: masks filled by the server's GrammarBackend process (as in serving)")
+    args = p.parse_args()
+    global DEVICE, GRAMMAR_MODE
+    DEVICE, GRAMMAR_MODE = args.device, args.grammar_mode
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    skip = set(filter(None, args.skip.split(",")))
+    t_start = time.time()
+
+    if DEVICE == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        gpu, mem, bw = props.name, props.total_memory / 2**30, copy_bandwidth()
+    else:
+        gpu, mem, bw = "cpu (smoke run)", 0.0, 1e11
+    RESULTS["env"] = {"gpu": gpu, "gpu_mem_gib": mem, "torch": torch.__version__, "copy_bw_tb_s": bw / 1e12,
+                      "argv": sys.argv}
+    try:
+        import flashinfer
+        RESULTS["env"]["flashinfer"] = flashinfer.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    log.info("env %s", RESULTS["env"])
+    RESULTS["models"] = args.models.split(",")
+    save(args.out)
+
+    if "attention" not in skip:
+        import importlib.util
+        names = [b for b in args.attention_backends.split(",") if b == "torch" or importlib.util.find_spec(b)]
+        bench_attention(names)
+        save(args.out)
+
+    for name in RESULTS["models"]:
+        model_json = os.path.join(args.assets, f"{name}.json")
+        cfg = json.load(open(model_json))
+        vocab = 49152  # the tokenizer's vocabulary: prompts stay inside it
+        reqs = workload(args.num_requests, 0, vocab)
+        hf_subset = reqs[: args.hf_requests]
+        hf_out = round(statistics.mean(n for _, n in reqs))
+        eng = Engine(model_json, args.assets, grammar=name in args.grammar_models.split(","),
+                     attention_backend=args.attention_backend, max_running_requests=args.max_running_requests,
+                     chunked_prefill_size=args.chunked_prefill_size, cuda_graph_max_bs=args.cuda_graph_max_bs)
+        RESULTS.setdefault("engine", {})[name] = {"start_s": eng.start_seconds, **eng.info.__dict__,
+                                                  "hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"]}
+        log.info("engine %s: %s", name, RESULTS["engine"][name])
+        if "decode" not in skip:
+            bench_decode_b1(eng, name, bw)
+        if "throughput" not in skip:
+            bench_throughput(eng, name, reqs)
+        save(args.out)
+        if "hf" not in skip and name in args.hf_models.split(","):
+            bench_subset(eng, name, hf_subset, hf_out)
+        if "grammar" not in skip and name in args.grammar_models.split(","):
+            bench_grammar(eng, name, tuple(int(b) for b in args.grammar_batch_sizes.split(",")))
+        save(args.out)
+        eng.close()
+        del eng
+        if "hf" not in skip and name in args.hf_models.split(","):
+            bench_hf(model_json, name, hf_subset, hf_out)
+            save(args.out)
+    RESULTS["total_s"] = time.time() - t_start
+    save(args.out)
+    print("\n" + table())
+
+
+if __name__ == "__main__":
+    main()

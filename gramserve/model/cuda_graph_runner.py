@@ -1,0 +1,95 @@
+"""CUDA graphs for decode: captured once per padded batch size at start-up, replayed with padding.
+
+Static input tensors (token ids, positions, KV slots to write, req_to_token rows, KV lengths) are shared by
+all graphs; a batch is copied into their first rows, padding rows write their K/V to scratch slot 0 and
+attend over one slot. Graphs share one memory pool; a replay's logits stay valid until the next replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from gramserve.model.forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_bs: int) -> list[int]:
+    sizes = [1, 2, 4, 8, 16, 24, 32] + list(range(48, 257, 16)) + list(range(288, 4097, 32))
+    out = [s for s in sizes if s <= max_bs]
+    if not out or out[-1] != max_bs:
+        out.append(max_bs)
+    return out
+
+
+class CudaGraphRunner:
+    def __init__(self, model, backend, req_to_token: torch.Tensor, max_bs: int):
+        self.model, self.backend, self.req_to_token = model, backend, req_to_token
+        self.sizes = capture_sizes(max_bs)
+        self.max_bs = self.sizes[-1]
+        dev = req_to_token.device
+        n = self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.long, device=dev)
+        self.req_pool_indices = torch.zeros(n, dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.long, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        backend.init_cuda_graph_state(self.max_bs, req_to_token.shape[1])
+
+    def _batch(self, bs: int, meta) -> ForwardBatch:
+        return ForwardBatch(
+            mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs], req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs], seq_lens_cpu=[1] * bs, extend_prefix_lens_cpu=[0] * bs,
+            extend_seq_lens_cpu=[1] * bs, req_to_token=self.req_to_token, attn_metadata=meta)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.time()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
+            meta = self.backend.cuda_graph_capture_metadata(bs, self.req_pool_indices[:bs], self.seq_lens[:bs],
+                                                            self.req_to_token)
+            batch = self._batch(bs, meta)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.model(batch, self.backend)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                out = self.model(batch, self.backend)
+            self.graphs[bs], self.outputs[bs] = graph, out
+        torch.cuda.synchronize()
+        self.capture_seconds = time.time() - t0
+        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s", len(self.sizes), self.max_bs,
+                    self.capture_seconds)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.mode == ForwardMode.DECODE and batch.batch_size <= self.max_bs and not batch.return_all_logits
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        bs = batch.batch_size
+        padded = next(s for s in self.sizes if s >= bs)
+        self.input_ids[:bs].copy_(batch.input_ids)
+        self.positions[:bs].copy_(batch.positions)
+        self.out_cache_loc[:bs].copy_(batch.out_cache_loc)
+        self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
+        self.seq_lens[:bs].copy_(batch.seq_lens)
+        seq_lens_cpu = batch.seq_lens_cpu
+        if padded > bs:
+            for t in (self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices):
+                t[bs:padded].zero_()
+            self.seq_lens[bs:padded].fill_(1)
+            seq_lens_cpu = seq_lens_cpu + [1] * (padded - bs)
+        self.backend.cuda_graph_replay_metadata(padded, self.req_pool_indices[:padded], self.seq_lens[:padded],
+                                                seq_lens_cpu, self.req_to_token)
+        self.graphs[padded].replay()
+        return self.outputs[padded][:bs]

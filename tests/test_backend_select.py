@@ -1,0 +1,42 @@
+"""CPU-side checks of the GPU path's plumbing: backend choice, graph batch sizes, the greedy fast path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gramserve.model.attention import create_backend, resolve_backend_name
+from gramserve.model.cuda_graph_runner import capture_sizes
+from gramserve.model.kv_cache import KVCache
+from gramserve.sampling.params import SamplingParams
+from gramserve.sampling.sampler import Sampler, SamplingRow
+
+
+def test_auto_is_torch_on_cpu():
+    assert resolve_backend_name("auto", torch.device("cpu"), torch.float32) == "torch"
+    assert resolve_backend_name("triton", torch.device("cpu"), torch.float32) == "triton"
+
+
+@pytest.mark.parametrize("name", ["flashinfer", "triton"])
+def test_gpu_backends_refuse_cpu(name):
+    kv = KVCache(1, 8, 2, 16, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="CUDA"):
+        create_backend(name, kv, 4)
+
+
+def test_capture_sizes():
+    assert capture_sizes(256)[:8] == [1, 2, 4, 8, 16, 24, 32, 48] and capture_sizes(256)[-1] == 256
+    assert capture_sizes(100)[-1] == 100 and capture_sizes(512)[-1] == 512
+    assert capture_sizes(1) == [1]
+
+
+def test_greedy_fast_path_matches_full_path():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 40, generator=g)
+    logits[:, 32:] += 100.0  # padding columns (tokenizer has 32 tokens) must never win
+    sampler = Sampler(40, 32, torch.device("cpu"))
+    rows = [SamplingRow(SamplingParams(temperature=0.0), [1], [], None) for _ in range(5)]
+    fast = sampler.sample(logits, rows)
+    full = sampler.sample(logits, rows, num_top_logprobs=0)  # logprobs take the full path
+    assert fast.token_ids == full.token_ids == logits[:, :32].argmax(-1).tolist()
+    assert fast.logprobs is None
