@@ -246,8 +246,7 @@ class Engine:
         self.sched.add_request(TokenizedGenerateReq(f"r{self._rid}", prompt, params, grammar=g))
 
     def busy(self) -> bool:
-        s = self.sched
-        return bool(s.running or s.waiting or s.chunked or s.grammar_wait or s.finished_early)
+        return self.sched.has_work or bool(self.sched.grammar_wait)
 
     def run(self) -> dict:
         """Step until idle. Returns wall time, output tokens and per-step (kind, batch, seconds)."""
@@ -580,6 +579,9 @@ def main() -> None:
     p.add_argument("--max-running-requests", type=int, default=1024)
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--cuda-graph-max-bs", type=int, default=512)
+    p.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--compare-plain", action="store_true",
+                   help="also run decode b1 and throughput with the overlap schedule off (rows '<model> plain')")
     p.add_argument("--skip", default="", help="comma list of: attention,decode,throughput,hf,grammar")
     p.add_argument("--out", default="bench_gpu.json")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script, numbers meaningless")
@@ -615,16 +617,27 @@ def main() -> None:
         bench_attention(names)
         save(args.out)
 
-    for name in RESULTS["models"]:
+    for name in list(RESULTS["models"]):
         model_json = os.path.join(args.assets, f"{name}.json")
         cfg = json.load(open(model_json))
         vocab = 49152  # the tokenizer's vocabulary: prompts stay inside it
         reqs = workload(args.num_requests, 0, vocab)
         hf_subset = reqs[: args.hf_requests]
         hf_out = round(statistics.mean(n for _, n in reqs))
+        engine_kw = dict(attention_backend=args.attention_backend, max_running_requests=args.max_running_requests,
+                         chunked_prefill_size=args.chunked_prefill_size, cuda_graph_max_bs=args.cuda_graph_max_bs)
+        if args.compare_plain:
+            plain = Engine(model_json, args.assets, grammar=False, overlap_schedule="off", **engine_kw)
+            if "decode" not in skip:
+                bench_decode_b1(plain, name + " plain", bw)
+            if "throughput" not in skip:
+                bench_throughput(plain, name + " plain", reqs)
+            plain.close()
+            del plain
+            RESULTS["models"].insert(RESULTS["models"].index(name), name + " plain")
+            save(args.out)
         eng = Engine(model_json, args.assets, grammar=name in args.grammar_models.split(","),
-                     attention_backend=args.attention_backend, max_running_requests=args.max_running_requests,
-                     chunked_prefill_size=args.chunked_prefill_size, cuda_graph_max_bs=args.cuda_graph_max_bs)
+                     overlap_schedule=args.overlap_schedule, **engine_kw)
         RESULTS.setdefault("engine", {})[name] = {"start_s": eng.start_seconds, **eng.info.__dict__,
                                                   "hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"]}
         log.info("engine %s: %s", name, RESULTS["engine"][name])

@@ -24,6 +24,9 @@ class ServerArgs:
     mem_fraction_static: float = 0.85  # GPU: fraction of device memory for weights + KV
     cuda_graph_max_bs: int = 256  # GPU: decode batches up to this size replay captured CUDA graphs
     disable_cuda_graph: bool = False
+    # auto: on for CUDA (the CPU work of step N+1 runs while the GPU computes step N), off on CPU, where the
+    # forward is synchronous and overlapping only costs one wasted token per finishing request.
+    overlap_schedule: str = "auto"  # auto | on | off
     max_running_requests: int = 256
     max_prefill_tokens: int = 8192  # tokens in one prefill step
     chunked_prefill_size: int = 512  # long prompts are prefilled in chunks of this many tokens (0: off)
@@ -41,6 +44,8 @@ class ServerArgs:
     grammar_compile_timeout: float = 5.0  # seconds; past it the request gets a 400
     grammar_max_whitespace: int | None = 2  # consecutive whitespace characters allowed inside JSON
     grammar_strict_json: bool = True  # xgrammar: no undeclared properties unless the schema allows them explicitly
+    # Threads filling one step's masks (auto: half the cores, 1 to 8; 0: row by row, no batching)
+    grammar_fill_threads: int | str = "auto"
     grammar_max_bytes: int = 256 * 1024  # largest schema / grammar text accepted
     grammar_max_depth: int = 64  # deepest JSON nesting accepted in a schema
     # Function calling and reasoning
@@ -92,6 +97,10 @@ class ServerArgs:
                             help="GPU: share of device memory for weights + KV pool (activations come out of the rest)")
         parser.add_argument("--cuda-graph-max-bs", type=int, default=defaults.cuda_graph_max_bs)
         parser.add_argument("--disable-cuda-graph", action="store_true")
+        parser.add_argument("--overlap-schedule", default=defaults.overlap_schedule, choices=["auto", "on", "off"],
+                            help="prepare step N+1 on the CPU while the GPU runs step N (auto: on for CUDA)")
+        parser.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const",
+                            const="off", help="same as --overlap-schedule off")
         parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
         parser.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens)
         parser.add_argument("--max-queued-requests", type=int, default=None,
@@ -113,6 +122,9 @@ class ServerArgs:
         parser.add_argument("--grammar-strict-json", action=argparse.BooleanOptionalAction,
                             default=defaults.grammar_strict_json,
                             help="JSON schemas: forbid properties/items the schema does not declare (xgrammar)")
+        parser.add_argument("--grammar-fill-threads", type=_threads_arg, default=defaults.grammar_fill_threads,
+                            help="threads filling a step's token masks in the grammar process ('auto': half the "
+                                 "cores, at most 8; 0: one row at a time without the backends' batch APIs)")
         parser.add_argument("--grammar-max-bytes", type=int, default=defaults.grammar_max_bytes)
         parser.add_argument("--grammar-max-depth", type=int, default=defaults.grammar_max_depth)
         parser.add_argument("--chat-template", default=None,
@@ -130,3 +142,15 @@ class ServerArgs:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _threads_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        threads = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of threads, got {value!r}") from None
+    if threads < 0:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a number >= 0, got {value!r}")
+    return threads

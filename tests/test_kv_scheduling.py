@@ -34,19 +34,24 @@ def _workload() -> list[list[int]]:
     return prompts
 
 
-def _run(tokenizer, prompts, waves: int = 2, **kw) -> tuple[dict, dict]:
+def _run(tokenizer, prompts, waves: int = 2, params=None, **kw) -> tuple[dict, dict]:
     """Run the prompts through a scheduler in `waves` (later waves can hit the cache); return outputs + info."""
     sched = Scheduler(ServerArgs(**kw), tokenizer)
     outs: dict[str, list[int]] = {}
+    finished: dict[str, str] = {}
     per_wave = -(-len(prompts) // waves)
     for w in range(waves):
         for i, p in enumerate(prompts[w * per_wave:(w + 1) * per_wave]):
-            sched.add_request(TokenizedGenerateReq(
-                f"r{w}-{i}", p, SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)))
-        while sched.running or sched.waiting or sched.chunked:
+            sp = params(i) if params else SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+            sched.add_request(TokenizedGenerateReq(f"r{w}-{i}", p, sp))
+        while sched.has_work:
             out = sched.step()
-            for rid, ids in zip(out.rids, out.new_token_ids) if out else ():
+            for rid, ids, fin in zip(out.rids, out.new_token_ids, out.finished) if out else ():
+                assert rid not in finished, f"{rid} got output after it finished"
                 outs.setdefault(rid, []).extend(ids)
+                if fin is not None:
+                    finished[rid] = fin.type
+    assert set(finished) == set(outs), "every request finishes exactly once"
     return outs, sched.server_info()
 
 
@@ -82,6 +87,26 @@ def test_prefix_cache_chunking_and_small_pool_keep_outputs(tokenizer):
     _assert_whole(info)
 
 
+def test_overlap_schedule_gives_the_same_tokens(tokenizer):
+    """The overlap loop (GPU default) run on the CPU: same tokens, same finishes, KV pool whole afterwards."""
+    prompts = _workload()
+
+    def varied(i):  # requests finishing at different steps, by length, EOS and stop token
+        return SamplingParams(max_new_tokens=1 + i % 7, temperature=0, ignore_eos=i % 3 == 0,
+                              stop_token_ids=[28] if i % 4 == 1 else [])
+
+    for kw in ({}, {"chunked_prefill_size": 16}, {"params": varied},
+               {"waves": 1, "kv_cache_memory_gb": 0.0075, "context_length": 256, "kv_reserve_ratio": 0.0,
+                "chunked_prefill_size": 64}):
+        kw = {"kv_cache_memory_gb": 0.3, **kw}
+        plain, _ = _run(tokenizer, prompts, overlap_schedule="off", **kw)
+        overlap, info = _run(tokenizer, prompts, overlap_schedule="on", **kw)
+        assert overlap == plain, kw
+        _assert_whole(info)
+        if "waves" in kw:
+            assert info["stats"]["retractions"] > 0
+
+
 def test_fcfs_policy_and_priority(tokenizer):
     sched = Scheduler(ServerArgs(kv_cache_memory_gb=0.3, schedule_policy="fcfs", max_running_requests=1),
                       tokenizer)
@@ -89,7 +114,7 @@ def test_fcfs_policy_and_priority(tokenizer):
     for rid, prio in (("low", 5), ("high", -1), ("mid", 0)):
         sched.add_request(TokenizedGenerateReq(rid, [10, 11, 12], SamplingParams(max_new_tokens=2, temperature=0),
                                                priority=prio))
-    while sched.running or sched.waiting:
+    while sched.has_work:
         out = sched.step()
         order += [rid for rid, fin in zip(out.rids, out.finished) if fin is not None]
     assert order == ["high", "mid", "low"]

@@ -35,4 +35,4 @@ class ForwardBatch:
 
     def last_token_indices(self) -> torch.Tensor:
         ends = torch.tensor(self.extend_seq_lens_cpu, dtype=torch.long).cumsum(0) - 1
-        return ends.to(self.input_ids.device)
+        return ends.to(self.input_ids.device, non_blocking=True)

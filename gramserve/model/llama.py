@@ -24,11 +24,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """rmsnorm(x); with `residual`: the residual stream becomes x + residual, returns (its norm, it)."""
         if x.is_cuda:
             from gramserve.model import fused_ops
 
+            if residual is not None:
+                return fused_ops.add_rmsnorm(x, residual, self.weight, self.eps), residual
             return fused_ops.rmsnorm(x, self.weight, self.eps)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -102,7 +111,16 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 backend: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if qkv.is_cuda and self.q_norm is None:
+            # One kernel: RoPE on q and k, and k/v written straight into their cache slots.
+            from gramserve.model import fused_ops
+
+            cache = backend.kv_cache
+            q = fused_ops.rope_and_store(qkv, self.num_heads, self.num_kv_heads, rope.cos, rope.sin, positions,
+                                         cache.k[self.layer], cache.v[self.layer], batch.out_cache_loc)
+            return self.o_proj(backend.forward(q, None, None, self.layer, batch, self.scale))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -135,9 +153,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rope, backend, batch):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, backend, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, backend, batch):
+        """x: the previous layer's output, residual: the stream before it (None at the first layer)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rope, backend, batch)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -158,12 +182,13 @@ class LlamaForCausalLM(nn.Module):
         """Returns float32 logits: one row per request (its last new token), or per new token."""
         if batch.attn_metadata is None:  # a CUDA graph's batch comes with its metadata
             backend.init_forward_metadata(batch)
-        x = self.embed_tokens(batch.input_ids)
+        x, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
-            x = layer(x, batch.positions, self.rope, backend, batch)
+            x, residual = layer(x, residual, batch.positions, self.rope, backend, batch)
         if not batch.return_all_logits and batch.mode != ForwardMode.DECODE:  # decode: every token is a last one
-            x = x[batch.last_token_indices()]
-        x = self.norm(x)
+            last = batch.last_token_indices()
+            x, residual = x[last], residual[last]
+        x, _ = self.norm(x, residual)
         return F.linear(x, self.lm_head_weight).float()
 
     # --- weights -------------------------------------------------------------------------------

@@ -32,6 +32,45 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]]] | None
 
 
+@dataclass
+class PendingSample:
+    """A sampling step launched on the device whose results have not been read yet.
+
+    On CUDA the ids (and logprobs) are copied to pinned host memory without blocking, so the scheduler can
+    prepare the next batch before `resolve` waits for this step's copy alone.
+    """
+
+    token_ids: torch.Tensor  # [B] int64, on the device: the next step's input ids are gathered from it
+    logprobs: torch.Tensor | None = None  # [B]
+    top_values: torch.Tensor | None = None  # [B, k]
+    top_ids: torch.Tensor | None = None
+    want_top: bool = False
+    _host: list[torch.Tensor | None] | None = None
+    _event: torch.cuda.Event | None = None
+
+    def start_copy(self) -> None:
+        tensors = [self.token_ids, self.logprobs, self.top_values, self.top_ids]
+        if self.token_ids.device.type != "cuda":
+            self._host = tensors
+            return
+        self._host = [t.to("cpu", non_blocking=True) if t is not None else None for t in tensors]
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def resolve(self) -> SampleResult:
+        if self._host is None:
+            self.start_copy()
+        if self._event is not None:
+            self._event.synchronize()
+        ids, lp, top_v, top_i = self._host
+        logprobs = lp.tolist() if lp is not None else None
+        top = None
+        if logprobs is not None:
+            top = ([list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())] if self.want_top
+                   else [[] for _ in logprobs])
+        return SampleResult(ids.tolist(), logprobs, top)
+
+
 def _plain_greedy(r: SamplingRow) -> bool:
     p = r.params
     return (p.greedy and not r.suppress_ids and not p.logit_bias and not p.frequency_penalty
@@ -47,36 +86,46 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int = -1) -> SampleResult:
         """logits: [B, V] float32. num_top_logprobs < 0 skips logprob computation."""
+        return self.launch(logits, rows, num_top_logprobs).resolve()
+
+    def launch(self, logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int = -1) -> PendingSample:
+        """Queue the sampling ops and the copy of their results to the host; nothing here waits for the device."""
+        pending = self._launch(logits, rows, num_top_logprobs)
+        pending.start_copy()
+        return pending
+
+    def _launch(self, logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int) -> PendingSample:
         if num_top_logprobs < 0 and all(_plain_greedy(r) for r in rows):
             # The common serving case: one argmax over the real vocabulary and one copy of the ids to the host.
             width = self.pad_columns.start if self.pad_columns is not None else logits.shape[-1]
-            return SampleResult(logits[:, :width].argmax(dim=-1).tolist(), None, None)
+            return PendingSample(logits[:, :width].argmax(dim=-1))
         logits = logits.clone()
         if self.pad_columns is not None:
             logits[:, self.pad_columns] = float("-inf")
         self._apply_penalties(logits, rows)
         self._apply_bias_and_bans(logits, rows)
 
-        logprobs = top = None
         if num_top_logprobs >= 0:
             logp_all = torch.log_softmax(logits, dim=-1)
 
         temps = [r.params.temperature for r in rows]
-        greedy = torch.tensor([r.params.greedy for r in rows], device=self.device)
         if all(r.params.greedy for r in rows):
             next_ids = logits.argmax(dim=-1)
         else:
+            greedy = self._column([r.params.greedy for r in rows], torch.bool)
             next_ids = self._sample_random(logits, rows, temps, greedy)
 
+        pending = PendingSample(next_ids)
         if num_top_logprobs >= 0:
-            chosen = logp_all.gather(1, next_ids[:, None])[:, 0]
-            logprobs = chosen.tolist()
+            pending.logprobs = logp_all.gather(1, next_ids[:, None])[:, 0]
             if num_top_logprobs > 0:
-                vals, idx = logp_all.topk(num_top_logprobs, dim=-1)
-                top = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
-            else:
-                top = [[] for _ in rows]
-        return SampleResult(next_ids.tolist(), logprobs, top)
+                pending.top_values, pending.top_ids = logp_all.topk(num_top_logprobs, dim=-1)
+                pending.want_top = True
+        return pending
+
+    def _column(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A per-request column on the device; non_blocking so the host does not wait for queued kernels."""
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         need = [i for i, r in enumerate(rows)
@@ -87,13 +136,12 @@ class Sampler:
             p = rows[i].params
             row = logits[i]
             if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(rows[i].prompt_ids) | set(rows[i].output_ids)),
-                                    dtype=torch.long, device=self.device)
+                seen = self._column(sorted(set(rows[i].prompt_ids) | set(rows[i].output_ids)), torch.long)
                 if seen.numel():
                     vals = row[seen]
                     row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
             if (p.frequency_penalty or p.presence_penalty) and rows[i].output_ids:
-                out = torch.tensor(rows[i].output_ids, dtype=torch.long, device=self.device)
+                out = self._column(rows[i].output_ids, torch.long)
                 counts = torch.zeros(self.vocab_size, dtype=logits.dtype, device=self.device)
                 counts.scatter_add_(0, out, torch.ones_like(out, dtype=logits.dtype))
                 row -= counts * p.frequency_penalty + (counts > 0).to(logits.dtype) * p.presence_penalty
@@ -101,15 +149,15 @@ class Sampler:
     def _apply_bias_and_bans(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         for i, r in enumerate(rows):
             if r.params.logit_bias:
-                ids = torch.tensor(list(r.params.logit_bias.keys()), dtype=torch.long, device=self.device)
-                vals = torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype, device=self.device)
+                ids = self._column(list(r.params.logit_bias.keys()), torch.long)
+                vals = self._column(list(r.params.logit_bias.values()), logits.dtype)
                 logits[i, ids] += vals
             if r.suppress_ids:
-                logits[i, list(r.suppress_ids)] = float("-inf")
+                logits[i, self._column(list(r.suppress_ids), torch.long)] = float("-inf")
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow], temps: list[float],
                        greedy: torch.Tensor) -> torch.Tensor:
-        t = torch.tensor([max(x, 1e-5) for x in temps], dtype=logits.dtype, device=self.device)
+        t = self._column([max(x, 1e-5) for x in temps], logits.dtype)
         probs = torch.softmax(logits / t[:, None], dim=-1)
         probs = self._filter(probs, rows)
         noise = torch.empty_like(probs).exponential_()
@@ -117,7 +165,7 @@ class Sampler:
             if r.generator is not None:
                 # Seeded noise is drawn on the CPU (where the request's generator lives), so a seed gives
                 # the same tokens on every device.
-                noise[i] = torch.empty(probs.shape[-1]).exponential_(generator=r.generator).to(noise.device)
+                noise[i] = torch.empty(probs.shape[-1]).exponential_(generator=r.generator).to(noise.device, non_blocking=True)
         sampled = (probs / noise).argmax(dim=-1)
         return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
@@ -128,14 +176,14 @@ class Sampler:
         if any(k < self.vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
             sorted_p, order = probs.sort(dim=-1, descending=True)
             ranks = torch.arange(probs.shape[-1], device=self.device)[None, :]
-            k = torch.tensor(top_k, device=self.device)[:, None]
+            k = self._column(top_k, torch.long)[:, None]
             cum_before = sorted_p.cumsum(dim=-1) - sorted_p
-            p = torch.tensor(top_p, dtype=probs.dtype, device=self.device)[:, None]
+            p = self._column(top_p, probs.dtype)[:, None]
             drop = (ranks >= k) | (cum_before > p)
             drop[:, 0] = False  # always keep the most likely token
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
         if any(m > 0 for m in min_p):
-            m = torch.tensor(min_p, dtype=probs.dtype, device=self.device)[:, None]
+            m = self._column(min_p, probs.dtype)[:, None]
             probs = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * m, 0.0)
         return probs

@@ -102,6 +102,7 @@ class GrammarClient:
             apply_bitmask(logits[:n], self.bitmask[:n].to(logits.device, non_blocking=True))
             return
         idx = torch.tensor(rows, dtype=torch.long)
-        sub = logits[idx.to(logits.device)]
-        apply_bitmask(sub, self.bitmask[idx].to(logits.device))
-        logits[idx.to(logits.device)] = sub
+        idx_dev = idx.to(logits.device, non_blocking=True)
+        sub = logits[idx_dev]
+        apply_bitmask(sub, self.bitmask[idx].to(logits.device, non_blocking=True))
+        logits[idx_dev] = sub

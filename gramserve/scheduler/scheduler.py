@@ -2,6 +2,11 @@
 
 One loop iteration: take new messages, pick a batch (new requests' prefill first, else one decode step
 of everything running), run the model, sample, send the new tokens to the detokenizer, free what finished.
+
+Overlap schedule (default on CUDA): a step launches its forward, then reads the previous step's sampled tokens
+(finish checks, grammar accepts, detokenizer hand-off) while the GPU computes, and only then launches its own
+sampling. Decode inputs are gathered on the device from `last_tokens`, so a batch can be built before its
+input tokens reach the host. A request that finished in step N still runs in step N+1; that row is dropped.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ import logging
 import os
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -21,7 +27,7 @@ from gramserve.messages import (
 )
 from gramserve.model.forward_batch import ForwardBatch, ForwardMode
 from gramserve.model.runner import ModelRunner
-from gramserve.sampling.sampler import Sampler
+from gramserve.sampling.sampler import PendingSample, Sampler
 from gramserve.scheduler.grammar_client import GrammarClient
 from gramserve.scheduler.memory import ReqToTokenPool, TokenSlotAllocator
 from gramserve.scheduler.radix_cache import RadixCache
@@ -30,6 +36,31 @@ from gramserve.scheduler.request import Req
 logger = logging.getLogger(__name__)
 
 LPM_WINDOW = 128  # waiting requests scored by prefix match per step (bounds the policy's cost)
+
+
+@dataclass
+class _Forward:
+    """A batch whose forward has been launched."""
+
+    reqs: list[Req]  # one logits row each
+    sampling: list[Req]  # those that sample a token this step
+    logits: torch.Tensor
+    grammar_step: int | None  # grammar fill started before the forward (plain schedule)
+    fill: list[tuple[str, int]]
+
+
+@dataclass
+class _Sampled:
+    """A step whose sampled tokens are still on their way to the host."""
+
+    reqs: list[Req]  # in result-row order
+    pending: PendingSample
+
+
+def use_overlap(setting: str, device: torch.device) -> bool:
+    if setting == "auto":
+        return device.type == "cuda"
+    return setting == "on"
 
 
 class Scheduler:
@@ -50,6 +81,10 @@ class Scheduler:
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.cache = RadixCache(self.allocator, disabled=args.disable_radix_cache)
+        self.overlap = use_overlap(args.overlap_schedule, self.device)
+        # The last sampled token of each request row, written on the device by sampling, read by decode.
+        self.last_tokens = torch.zeros(args.max_running_requests, dtype=torch.long, device=self.device)
+        self.inflight: _Sampled | None = None  # overlap: the previous step, not yet read back
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None  # the request whose prompt is being prefilled chunk by chunk
@@ -224,29 +259,34 @@ class Scheduler:
 
     def _decode_batch(self, reqs: list[Req]) -> ForwardBatch:
         slots = self._alloc(len(reqs))
-        ids, positions, rows = [], [], []
+        positions, rows = [], []
         for req in reqs:
             positions.append(req.kv_len)
             req.kv_len += 1
-            ids.append(req.output_ids[-1])
             rows.append(req.req_pool_idx)
         positions_t = torch.tensor(positions)
+        rows_dev = self._to_device(rows)
         # One scatter for the whole batch (a write per request costs a kernel launch each on a GPU).
-        self.req_pool.table[torch.tensor(rows).to(self.device), positions_t.to(self.device)] = \
+        self.req_pool.table[rows_dev, positions_t.to(self.device, non_blocking=True)] = \
             slots.to(self.req_pool.table.dtype)
         seq_lens = [r.kv_len for r in reqs]
-        return self._make_batch(ForwardMode.DECODE, ids, positions_t, slots, rows,
+        # Each request's input is the token it sampled last, which may still be on the device (overlap).
+        return self._make_batch(ForwardMode.DECODE, self.last_tokens[rows_dev], positions_t, slots, rows,
                                 seq_lens, [s - 1 for s in seq_lens], [1] * len(reqs))
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        # non_blocking: a plain host-to-device copy would wait for every kernel already queued (overlap).
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
 
     def _make_batch(self, mode, ids, positions, locs, rows, seq_lens, prefix_lens, new_lens) -> ForwardBatch:
         dev = self.device
         return ForwardBatch(
             mode=mode,
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=positions.to(dev),
+            input_ids=ids if isinstance(ids, torch.Tensor) else self._to_device(ids),
+            positions=positions.to(dev, non_blocking=True),
             out_cache_loc=locs.to(dev),
-            req_pool_indices=torch.tensor(rows, dtype=torch.long, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            req_pool_indices=self._to_device(rows),
+            seq_lens=self._to_device(seq_lens),
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=new_lens,
@@ -255,9 +295,37 @@ class Scheduler:
 
     # --- one step -------------------------------------------------------------------------------
 
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.chunked or self.finished_early or self.inflight)
+
     @torch.inference_mode()
     def step(self) -> BatchTokenOut | None:
         early, self.finished_early = self.finished_early, []
+        try:
+            fwd = self._launch_forward()
+        except Exception:
+            self.finished_early = early + self.finished_early  # still owed to their clients
+            raise
+        sampled: list[Req] = []
+        if self.overlap:
+            prev, self.inflight = self.inflight, None
+            if prev is not None:
+                sampled = self._resolve(prev)  # while the GPU runs this step's forward
+            if fwd is not None:
+                self.inflight = self._launch_sampling(fwd)
+        elif fwd is not None:
+            sampled = self._resolve(self._launch_sampling(fwd))
+        if not (early or sampled):
+            return None
+        out = self._output(early + sampled)
+        self.running = [r for r in self.running if r.finished is None]
+        if self.grammar is not None and not any(r.constrained for r in self.running):
+            self.grammar.flush()
+        return out
+
+    def _launch_forward(self) -> _Forward | None:
+        """Pick a batch and launch its forward (on a GPU the call returns before the forward is done)."""
         picked: list[tuple[Req, int]] = []
         # Alternate with decode while requests run, so a long prefill never stalls the streams.
         if not (self.running and self._last_was_prefill):
@@ -276,59 +344,81 @@ class Scheduler:
             reqs = sampling = list(self.running)
             batch = self._decode_batch(reqs)
         else:
-            return self._output(early) if early else None
-
-        samples = {id(r) for r in sampling}  # a set: list membership is quadratic in the batch size
-        fill = [(r.rid, i) for i, r in enumerate(reqs) if r.constrained and id(r) in samples]
-        if fill:
-            step_id = self.grammar.begin_step(fill)  # masks are filled while the model runs
+            return None
+        grammar_step, fill = None, []
+        if not self.overlap:  # every input token is known: masks are filled while the model runs
+            fill = self._grammar_rows(reqs, sampling)
+            if fill:
+                grammar_step = self.grammar.begin_step(fill)
         try:
             logits = self.runner.forward(batch)
         except Exception:
-            if fill:
-                self.grammar.finish_step(step_id)
+            if grammar_step is not None:
+                self.grammar.finish_step(grammar_step)
             raise
-        if fill:
-            self._apply_grammar(logits, reqs, fill, step_id)
-        rows = [i for i, r in enumerate(reqs) if id(r) in samples]
-        if rows:
-            self._sample(logits[rows] if len(rows) < len(reqs) else logits, [reqs[i] for i in rows])
         self.stats["forward_steps"] += 1
-        if picked:
-            for req in sampling:  # their prefill is complete: they decode from now on
-                if req is self.chunked:
-                    self.chunked = None
-                if req.finished is None:
-                    self.running.append(req)
-        out = self._output(early + sampling)
-        self.running = [r for r in self.running if r.finished is None]
-        if self.grammar is not None and not any(r.constrained for r in self.running):
-            self.grammar.flush()
-        return out
+        for req in sampling if picked else ():  # their prefill is complete: they decode from now on
+            if req is self.chunked:
+                self.chunked = None
+            if req.finished is None:
+                self.running.append(req)
+        return _Forward(reqs, sampling, logits, grammar_step, fill)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Req]) -> None:
+    def _grammar_rows(self, reqs: list[Req], sampling: list[Req]) -> list[tuple[str, int]]:
+        samples = {id(r) for r in sampling}  # a set: list membership is quadratic in the batch size
+        return [(r.rid, i) for i, r in enumerate(reqs) if r.constrained and r.finished is None and id(r) in samples]
+
+    def _launch_sampling(self, fwd: _Forward) -> _Sampled:
+        """Apply grammar masks and queue sampling; the sampled ids go to `last_tokens` on the device."""
+        grammar_step, fill = fwd.grammar_step, fwd.fill
+        if self.overlap:  # the previous tokens were just accepted: fill now, while the forward runs
+            fill = self._grammar_rows(fwd.reqs, fwd.sampling)
+            grammar_step = self.grammar.begin_step(fill) if fill else None
+        if grammar_step is not None:
+            self._apply_grammar(fwd.logits, fwd.reqs, fill, grammar_step)
+        samples = {id(r) for r in fwd.sampling}
+        # Rows of requests that finished meanwhile (overlap, aborts, grammar errors) are dropped.
+        rows = [i for i, r in enumerate(fwd.reqs) if id(r) in samples and r.finished is None]
+        reqs = [fwd.reqs[i] for i in rows]
+        if not rows:
+            return _Sampled([], PendingSample(torch.empty(0, dtype=torch.long)))
+        logits = fwd.logits if len(rows) == len(fwd.reqs) else fwd.logits[self._to_device(rows)]
         want_lp = [r.top_logprobs if r.return_logprob else -1 for r in reqs]
-        result = self.sampler.sample(logits, [r.sampling_row() for r in reqs], max(want_lp))
-        self.stats["generation_tokens"] += len(reqs)
-        for i, (req, tok) in enumerate(zip(reqs, result.token_ids)):
-            if req.finished is not None:  # failed its grammar step
+        pending = self.sampler.launch(logits, [r.sampling_row() for r in reqs], max(want_lp))
+        self.last_tokens[self._to_device([r.req_pool_idx for r in reqs])] = pending.token_ids
+        return _Sampled(reqs, pending)
+
+    def _resolve(self, sampled: _Sampled) -> list[Req]:
+        """Read a step's sampled tokens back and record them; returns the requests that got a token."""
+        if not sampled.reqs:
+            return []
+        result = sampled.pending.resolve()
+        got = []
+        for i, (req, tok) in enumerate(zip(sampled.reqs, result.token_ids)):
+            if req.finished is not None:  # aborted while its token was in flight
                 continue
             was_constrained = req.constrained
             req.append_token(tok, self.tokenizer, self.context_length)
+            self.stats["generation_tokens"] += 1
             if was_constrained and req.finished is None:
                 self.grammar.accept(req.rid, tok)
             if req.return_logprob:
                 top = result.top_logprobs[i][: req.top_logprobs] if result.top_logprobs else []
                 req.pending_logprobs.append(TokenLogprob(tok, result.logprobs[i], top))
+            if req.finished is not None and req.req_pool_idx is None and req in self.waiting:
+                self.waiting.remove(req)  # retracted while its last token was in flight
+            got.append(req)
+        return got
 
     def _apply_grammar(self, logits: torch.Tensor, reqs: list[Req], fill: list[tuple[str, int]],
                        step_id: int) -> None:
         resp = self.grammar.finish_step(step_id)
         rejected = set(resp.rejected)
         for req in reqs:
-            if req.rid in rejected:
+            if req.rid in rejected and req.finished is None:
                 req.finished = FinishReason("abort", message="the grammar rejected a token (internal error)",
                                             status_code=500)
+                self.finished_early.append(req)  # reported by the next step's output
         self.grammar.apply(logits, [row for _, row in fill])
 
     def _output(self, reqs: list[Req]) -> BatchTokenOut:
@@ -371,16 +461,19 @@ class Scheduler:
         return self._output([req])
 
     def abort_all(self, message: str) -> BatchTokenOut:
-        reqs = list(self.running) + list(self.waiting) + list(self.grammar_wait.values())
-        if self.chunked is not None and self.chunked not in reqs:
-            reqs.append(self.chunked)
+        live = list(self.running) + list(self.waiting) + list(self.grammar_wait.values())
+        if self.chunked is not None and self.chunked not in live:
+            live.append(self.chunked)
+        live = [r for r in live if r.finished is None]
+        done = [r for r in self.finished_early if r not in live]  # already failed: keep their own reason
         self.running, self.waiting, self.grammar_wait, self.chunked = [], deque(), {}, None
-        for req in reqs:
+        self.inflight, self.finished_early = None, []
+        for req in live:
             req.finished = FinishReason("abort", message=message, status_code=500)
-        return self._output(reqs)
+        return self._output(done + live)
 
     def flush_cache(self) -> dict:
-        if self.running or self.waiting or self.chunked is not None or self.grammar_wait:
+        if self.has_work or self.grammar_wait:
             return {"ok": False, "error": "cannot flush the cache while requests are running or waiting"}
         self.cache.reset()
         return {"ok": True}
@@ -447,7 +540,7 @@ def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket) -> None:
     if scheduler.grammar is not None:
         poller.register(scheduler.grammar.inbox, zmq.POLLIN)
     while True:
-        idle = not (scheduler.running or scheduler.waiting or scheduler.chunked or scheduler.finished_early)
+        idle = not scheduler.has_work
         # Block only when there is nothing to compute (a compile result also wakes us).
         events = dict(poller.poll(timeout=1000 if idle else 0))
         scheduler.poll_grammar()

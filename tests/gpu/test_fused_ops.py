@@ -40,3 +40,36 @@ def test_fused_ops_match_torch(dtype):
     ref = F.silu(gate) * up
     got = fused_ops.silu_mul(gu)
     assert float((got.float() - ref.float()).norm() / ref.float().norm()) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm_and_rope_store_match_torch(dtype):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for n in (576, 4096):
+        x = torch.randn(29, n, device="cuda", generator=g).to(dtype)
+        res = torch.randn(29, n, device="cuda", generator=g).to(dtype)
+        w = (torch.rand(n, device="cuda", generator=g) + 0.5).to(dtype)
+        want_res = x + res
+        ref = _ref_rmsnorm(want_res, w, 1e-5)
+        got = fused_ops.add_rmsnorm(x, res, w, 1e-5)
+        assert torch.equal(res, want_res)  # the residual stream is updated in place, rounded as x + residual
+        assert float((got.float() - ref.float()).norm() / ref.float().norm()) < tol
+    for h, hk, d in ((9, 3, 64), (32, 8, 128)):
+        t = 21
+        qkv = torch.randn(t, (h + 2 * hk) * d, device="cuda", generator=g).to(dtype)
+        cos = torch.randn(300, d // 2, device="cuda", generator=g)
+        sin = torch.randn(300, d // 2, device="cuda", generator=g)
+        pos = torch.randint(0, 300, (t,), device="cuda", generator=g)
+        loc = torch.randperm(100, device="cuda", generator=g)[:t] + 1
+        kc = torch.zeros(101, hk, d, dtype=dtype, device="cuda")
+        vc = torch.zeros_like(kc)
+        q_ref = fused_ops.rope(qkv[:, : h * d].view(t, h, d), cos, sin, pos)
+        k_ref = fused_ops.rope(qkv[:, h * d:(h + hk) * d].view(t, hk, d), cos, sin, pos)
+        q = fused_ops.rope_and_store(qkv, h, hk, cos, sin, pos, kc, vc, loc)
+        assert torch.equal(q, q_ref)
+        assert torch.equal(kc[loc], k_ref)
+        assert torch.equal(vc[loc], qkv[:, (h + hk) * d:].view(t, hk, d))
+        untouched = torch.ones(101, dtype=torch.bool, device="cuda")
+        untouched[loc] = False
+        assert not kc[untouched].any() and not vc[untouched].any()

@@ -29,7 +29,8 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
                 batch: ForwardBatch, scale: float) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens. Returns [T, Hq * D]."""
+        """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens, stored into the KV cache first (None: already
+        stored by the caller). Returns [T, Hq * D]."""
 
     # --- CUDA graphs (decode) ---------------------------------------------------------------------
 

@@ -81,7 +81,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             batch.attn_metadata = FlashInferMetadata(self.prefill)
 
     def forward(self, q, k, v, layer, batch, scale):
-        self.kv_cache.store(layer, batch.out_cache_loc, k, v)
+        if k is not None:  # None: the model already wrote them (fused RoPE + store)
+            self.kv_cache.store(layer, batch.out_cache_loc, k, v)
         paged = (self.kv_cache.k[layer].unsqueeze(1), self.kv_cache.v[layer].unsqueeze(1))  # [slots, 1, Hkv, D]
         out = batch.attn_metadata.wrapper.run(q.contiguous(), paged)
         return out.reshape(q.shape[0], -1)

@@ -55,7 +55,8 @@ class TorchAttentionBackend(AttentionBackend):
         batch.attn_metadata = ExtendMetadata(indices, masks, starts)
 
     def forward(self, q, k, v, layer, batch, scale):
-        self.kv_cache.store(layer, batch.out_cache_loc, k, v)
+        if k is not None:  # None: the model already wrote them (fused RoPE + store)
+            self.kv_cache.store(layer, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_cache.k[layer], self.kv_cache.v[layer]
         meta = batch.attn_metadata
         if batch.mode == ForwardMode.DECODE:

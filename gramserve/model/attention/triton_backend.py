@@ -58,7 +58,8 @@ class TritonAttentionBackend(AttentionBackend):
         batch.attn_metadata = TritonExtendMetadata(batch.req_pool_indices, ints[0], ints[1], ints[2], max(new))
 
     def forward(self, q, k, v, layer, batch, scale):
-        self.kv_cache.store(layer, batch.out_cache_loc, k, v)
+        if k is not None:  # None: the model already wrote them (fused RoPE + store)
+            self.kv_cache.store(layer, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_cache.k[layer], self.kv_cache.v[layer]
         meta = batch.attn_metadata
         q = q.contiguous()
