@@ -307,15 +307,18 @@ class Scheduler:
         except Exception:
             self.finished_early = early + self.finished_early  # still owed to their clients
             raise
-        sampled: list[Req] = []
-        if self.overlap:
-            prev, self.inflight = self.inflight, None
-            if prev is not None:
-                sampled = self._resolve(prev)  # while the GPU runs this step's forward
-            if fwd is not None:
-                self.inflight = self._launch_sampling(fwd)
-        elif fwd is not None:
-            sampled = self._resolve(self._launch_sampling(fwd))
+        if not self.overlap:
+            sampled = self._resolve(self._launch_sampling(fwd)) if fwd is not None else []
+            return self._finish_step(early, sampled)
+        prev, self.inflight = self.inflight, None
+        sampled = self._resolve(prev) if prev is not None else []  # while the GPU runs this step's forward
+        grammar = self._begin_grammar(fwd) if fwd is not None else None
+        out = self._finish_step(early, sampled)  # while the grammar process fills this step's masks
+        if fwd is not None:
+            self.inflight = self._launch_sampling(fwd, grammar)
+        return out
+
+    def _finish_step(self, early: list[Req], sampled: list[Req]) -> BatchTokenOut | None:
         if not (early or sampled):
             return None
         out = self._output(early + sampled)
@@ -368,12 +371,14 @@ class Scheduler:
         samples = {id(r) for r in sampling}  # a set: list membership is quadratic in the batch size
         return [(r.rid, i) for i, r in enumerate(reqs) if r.constrained and r.finished is None and id(r) in samples]
 
-    def _launch_sampling(self, fwd: _Forward) -> _Sampled:
+    def _begin_grammar(self, fwd: _Forward) -> tuple[int | None, list[tuple[str, int]]]:
+        """Overlap: the previous tokens were just accepted, so this step's masks can be filled now."""
+        fill = self._grammar_rows(fwd.reqs, fwd.sampling)
+        return (self.grammar.begin_step(fill) if fill else None), fill
+
+    def _launch_sampling(self, fwd: _Forward, grammar: tuple[int | None, list] | None = None) -> _Sampled:
         """Apply grammar masks and queue sampling; the sampled ids go to `last_tokens` on the device."""
-        grammar_step, fill = fwd.grammar_step, fwd.fill
-        if self.overlap:  # the previous tokens were just accepted: fill now, while the forward runs
-            fill = self._grammar_rows(fwd.reqs, fwd.sampling)
-            grammar_step = self.grammar.begin_step(fill) if fill else None
+        grammar_step, fill = grammar if grammar is not None else (fwd.grammar_step, fwd.fill)
         if grammar_step is not None:
             self._apply_grammar(fwd.logits, fwd.reqs, fill, grammar_step)
         samples = {id(r) for r in fwd.sampling}
