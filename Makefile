@@ -15,7 +15,7 @@ serve: install
 	$(PYTHON) -m gramserve serve --host $(HOST) --port $(PORT)
 
 install-test: install
-	$(PYTHON) -m pip install -e ".[test]"
+	$(PYTHON) -m pip install -e ".[test]" -c tests/constraints.txt
 
 test: install-test
 	$(PYTHON) -m pytest tests -q

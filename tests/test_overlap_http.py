@@ -76,7 +76,9 @@ def test_same_answers_as_the_plain_schedule(base_url, overlap_url, model_name):
         assert _strip(o) == _strip(p), (path, body)
         # Batches form differently under the two loops, so float sums differ in the last bits.
         assert _logprobs(o) == pytest.approx(_logprobs(p), abs=1e-3)
-        assert o["usage"] == p["usage"]
+        # cached_tokens depends on what each server's prefix cache already holds, not on the loop.
+        counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+        assert {k: o["usage"][k] for k in counts} == {k: p["usage"][k] for k in counts}
     for body in overlap[3:5]:
         for c in body["choices"]:
             jsonschema.validate(json.loads(c["message"]["content"]), SCHEMA)
