@@ -52,7 +52,8 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> Non
                                  text_tokens=tuple(args.grammar_text_tokens))
         service = GrammarService(tokenizer, args.vocab_size, args.eos_token_ids, options, bitmask,
                                  default_backend=args.grammar_backend,
-                                 compile_timeout_s=args.grammar_compile_timeout)
+                                 compile_timeout_s=args.grammar_compile_timeout,
+                                 fill_threads=args.grammar_fill_threads)
     except Exception as exc:  # noqa: BLE001 - reported to the launcher
         logger.exception("grammar process failed to start")
         ready_pipe.send({"error": f"{type(exc).__name__}: {exc}"})
@@ -77,6 +78,7 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> Non
             for resp in service.poll_compiles():
                 to_scheduler.send_pyobj(resp)
     finally:
+        service.close()
         del bitmask
         shm.close()
 

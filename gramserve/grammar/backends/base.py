@@ -23,9 +23,14 @@ import json
 import logging
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from gramserve.grammar.fill import FillPool
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +115,13 @@ class Matcher(ABC):
         """A message when the backend hit an internal limit/error mid-generation (only EOS is then
         allowed so that the request can end), else None."""
         return None
+
+    @classmethod
+    def fill_rows(cls, rows: Sequence[tuple["Matcher", int]], bitmask: torch.Tensor, pool: "FillPool") -> None:
+        """Fill many rows of one step at once (every matcher of this class); the rows are distinct.
+        Backends with a batch API override this; the result must equal ``fill_bitmask`` row by row."""
+        for m, row in rows:
+            m.fill_bitmask(bitmask, row)
 
 
 class GrammarBackend(ABC):
@@ -264,13 +276,30 @@ def _bit(b: int) -> int:
     return (1 << b) - (1 << 32) if b == 31 else 1 << b
 
 
-def check_bitmask_row(bitmask: torch.Tensor, row: int, vocab_size: int) -> torch.Tensor:
+def clear_columns_from_rows(bitmask: torch.Tensor, rows: Sequence[int], start: int) -> None:
+    """``clear_columns_from`` for many rows in a few tensor operations."""
+    w, b = divmod(start, 32)
+    if not rows or w >= bitmask.shape[1]:
+        return
+    idx = torch.tensor(rows, dtype=torch.long)
+    if b:
+        bitmask[idx, w] &= (1 << b) - 1
+        w += 1
+    if w < bitmask.shape[1]:
+        bitmask[idx, w:] = 0
+
+
+def check_bitmask(bitmask: torch.Tensor, vocab_size: int) -> None:
     if bitmask.dtype != torch.int32 or bitmask.dim() != 2:
         raise ValueError("bitmask must be a 2-D int32 tensor")
     if bitmask.device.type != "cpu":
         raise ValueError("bitmask must be on the CPU")
     if bitmask.shape[1] < bitmask_words(vocab_size):
         raise ValueError(f"bitmask has {bitmask.shape[1]} words per row; {bitmask_words(vocab_size)} needed")
+
+
+def check_bitmask_row(bitmask: torch.Tensor, row: int, vocab_size: int) -> torch.Tensor:
+    check_bitmask(bitmask, vocab_size)
     r = bitmask[row]
     if not r.is_contiguous():
         raise ValueError("bitmask rows must be contiguous")

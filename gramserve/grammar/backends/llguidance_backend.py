@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import llguidance as llg
 import torch
@@ -38,12 +40,16 @@ from .base import (
     GrammarSpec,
     Matcher,
     bitmask_words,
+    check_bitmask,
     check_bitmask_row,
     looks_like_gbnf,
     parse_choices,
     parse_json_schema,
     set_only_tokens,
 )
+
+if TYPE_CHECKING:
+    from gramserve.grammar.fill import FillPool
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +105,31 @@ class LLGuidanceMatcher(Matcher):
             r[self._words :] = 0
         if self._m.is_error():
             set_only_tokens(bitmask, row, self._eos)
+
+    @classmethod
+    def fill_rows(cls, rows: Sequence[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor, pool: FillPool) -> None:
+        """One ``LLExecutor`` call for the live matchers, then ``fill_bitmask``'s special cases: ended or
+        failed matchers allow only EOS. Fewer than ``pool.parallel_rows`` rows go row by row."""
+        if len(rows) < pool.parallel_rows:
+            super().fill_rows(rows, bitmask, pool)
+            return
+        live: list[tuple[LLGuidanceMatcher, int]] = []
+        words = bitmask.shape[1]
+        for m, row in rows:
+            # The executor writes rows of exactly the tokenizer's mask size; a wider bitmask goes row by row.
+            if m._terminated or m._m.is_error() or m._words != words:
+                m.fill_bitmask(bitmask, row)
+            else:
+                live.append((m, row))
+        if not live:
+            return
+        check_bitmask(bitmask, live[0][0]._vocab_size)
+        executor = pool.executor("llguidance", pool.threads_for(len(rows)), llg.LLExecutor)
+        executor.unsafe_compute_mask_ptr([(m._m, row) for m, row in live], bitmask.data_ptr(), words * 4,
+                                         bitmask.shape[0])
+        for m, row in live:
+            if m._m.is_error():  # hit a limit while computing this mask
+                set_only_tokens(bitmask, row, m._eos)
 
     def is_terminated(self) -> bool:
         return self._terminated

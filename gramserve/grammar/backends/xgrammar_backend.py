@@ -30,6 +30,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import xgrammar as xgr
@@ -42,13 +44,18 @@ from .base import (
     GrammarOptions,
     GrammarSpec,
     Matcher,
+    check_bitmask,
     check_bitmask_row,
     clear_columns_from,
+    clear_columns_from_rows,
     looks_like_gbnf,
     parse_choices,
     parse_json_schema,
     set_only_tokens,
 )
+
+if TYPE_CHECKING:
+    from gramserve.grammar.fill import FillPool
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +89,26 @@ class XGrammarMatcher(Matcher):
         self._m.fill_next_token_bitmask(bitmask, row)
         if bitmask.shape[1] * 32 > self._vocab_size:
             clear_columns_from(bitmask, row, self._vocab_size)
+
+    @classmethod
+    def fill_rows(cls, rows: Sequence[tuple[XGrammarMatcher, int]], bitmask: torch.Tensor, pool: FillPool) -> None:
+        """One ``batch_fill_next_token_bitmask`` for the live matchers, then ``fill_bitmask``'s special
+        cases: terminated matchers allow only EOS, columns past the vocabulary are cleared."""
+        live: dict[int, tuple[list, list[int]]] = {}  # vocab size -> (xgrammar matchers, rows)
+        for m, row in rows:
+            if m._m.is_terminated():
+                m.fill_bitmask(bitmask, row)
+                continue
+            matchers, live_rows = live.setdefault(m._vocab_size, ([], []))
+            matchers.append(m._m)
+            live_rows.append(row)
+        threads = pool.threads_for(len(rows))
+        batch = pool.executor("xgrammar", threads, xgr.BatchGrammarMatcher)
+        for vocab_size, (matchers, live_rows) in live.items():
+            check_bitmask(bitmask, vocab_size)
+            batch.batch_fill_next_token_bitmask(matchers, bitmask, live_rows)
+            if bitmask.shape[1] * 32 > vocab_size:
+                clear_columns_from_rows(bitmask, live_rows, vocab_size)
 
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
