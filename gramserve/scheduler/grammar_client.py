@@ -39,18 +39,6 @@ class GrammarClient:
         # Where constrained steps spend the scheduler's time (ms, cumulative; /get_server_info shows them).
         self.timing = {"steps": 0, "wait_after_forward_ms": 0.0, "apply_ms": 0.0, "fill_ms": 0.0}
 
-    def pin_memory(self) -> None:
-        """CUDA: page-lock the shared bitmask, so a step's mask rows go to the GPU by DMA without a staging copy
-        (safe: the grammar process rewrites rows only for a later step, after this step's sampling was read)."""
-        t = self.bitmask
-        try:
-            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        except Exception as exc:  # noqa: BLE001 - pageable copies still work, only slower
-            logger.warning("could not page-lock the grammar bitmask: %s", exc)
-            return
-        if int(err) != 0:
-            logger.warning("could not page-lock the grammar bitmask (CUDA error %s)", int(err))
-
     def compile(self, rid: str, grammar: GrammarRequest) -> None:
         self.to_grammar.send_pyobj(GrammarCompileReq(rid, grammar))
 

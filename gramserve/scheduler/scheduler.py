@@ -76,8 +76,6 @@ class Scheduler:
         self.allocator = TokenSlotAllocator(info.max_total_tokens, self.device)
         self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length, self.device)
         self.runner.init_cuda_graphs(self.req_pool.table)  # GPU: decode graphs read this table
-        if grammar is not None and self.device.type == "cuda" and hasattr(grammar, "pin_memory"):
-            grammar.pin_memory()
         self.sampler = Sampler(info.vocab_size, len(tokenizer), self.device)
         self.eos_ids = set(args.eos_token_ids or info.eos_token_ids)
         if tokenizer.eos_token_id is not None:
