@@ -99,10 +99,25 @@ class GrammarClient:
 
         n = len(rows)
         if rows == list(range(n)):  # the first n rows (e.g. every row constrained): mask in place, no copies
-            apply_bitmask(logits[:n], self.bitmask[:n].to(logits.device, non_blocking=True))
+            apply_bitmask(logits[:n], _upload(self.bitmask[:n], logits.device))
             return
         idx = torch.tensor(rows, dtype=torch.long)
         idx_dev = idx.to(logits.device, non_blocking=True)
         sub = logits[idx_dev]
-        apply_bitmask(sub, self.bitmask[idx].to(logits.device, non_blocking=True))
+        apply_bitmask(sub, _upload(self.bitmask[idx], logits.device))
         logits[idx_dev] = sub
+
+
+def _upload(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Bitmask rows to the logits' device without waiting for the GPU.
+
+    A copy from pageable memory (the shared bitmask) larger than the driver's staging buffer waits until the
+    stream reaches it, i.e. until the forward in flight ends, which stalls the overlap loop at large batches.
+    So the rows go through a page-locked buffer of torch's caching host allocator, which does not hand the
+    buffer out again before the copy has run.
+    """
+    if device.type != "cuda":
+        return rows
+    staging = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+    staging.copy_(rows)
+    return staging.to(device, non_blocking=True)
