@@ -258,35 +258,22 @@ def set_token_bits(bitmask: torch.Tensor, row: int, token_ids: list[int], allowe
                 r[w] &= ~_bit(b)
 
 
-def clear_columns_from(bitmask: torch.Tensor, row: int, start: int) -> None:
-    """Disallow every column >= start in row ``row``."""
-    r = bitmask[row]
+def clear_columns_from(bitmask: torch.Tensor, rows: int | Sequence[int], start: int) -> None:
+    """Disallow every column >= start in one row, or in several rows at once."""
     w, b = divmod(start, 32)
-    if w >= r.shape[0]:
+    if w >= bitmask.shape[1] or (not isinstance(rows, int) and not rows):
         return
+    idx = rows if isinstance(rows, int) else torch.tensor(rows, dtype=torch.long)
     if b:
-        r[w] &= (1 << b) - 1  # keep bits below b
+        bitmask[idx, w] &= (1 << b) - 1  # keep bits below b
         w += 1
-    if w < r.shape[0]:
-        r[w:] = 0
+    if w < bitmask.shape[1]:
+        bitmask[idx, w:] = 0
 
 
 def _bit(b: int) -> int:
     """The int32 value with bit b set (bit 31 is the sign bit)."""
     return (1 << b) - (1 << 32) if b == 31 else 1 << b
-
-
-def clear_columns_from_rows(bitmask: torch.Tensor, rows: Sequence[int], start: int) -> None:
-    """``clear_columns_from`` for many rows in a few tensor operations."""
-    w, b = divmod(start, 32)
-    if not rows or w >= bitmask.shape[1]:
-        return
-    idx = torch.tensor(rows, dtype=torch.long)
-    if b:
-        bitmask[idx, w] &= (1 << b) - 1
-        w += 1
-    if w < bitmask.shape[1]:
-        bitmask[idx, w:] = 0
 
 
 def check_bitmask(bitmask: torch.Tensor, vocab_size: int) -> None:

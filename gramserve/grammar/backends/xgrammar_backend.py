@@ -47,7 +47,6 @@ from .base import (
     check_bitmask,
     check_bitmask_row,
     clear_columns_from,
-    clear_columns_from_rows,
     looks_like_gbnf,
     parse_choices,
     parse_json_schema,
@@ -108,7 +107,7 @@ class XGrammarMatcher(Matcher):
             check_bitmask(bitmask, vocab_size)
             batch.batch_fill_next_token_bitmask(matchers, bitmask, live_rows)
             if bitmask.shape[1] * 32 > vocab_size:
-                clear_columns_from_rows(bitmask, live_rows, vocab_size)
+                clear_columns_from(bitmask, live_rows, vocab_size)
 
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
