@@ -75,6 +75,16 @@ def wait_healthy(server: ServerProcess, timeout: float = STARTUP_TIMEOUT_S) -> N
 
 
 @pytest.fixture(scope="session")
+def tokenizer():
+    """The default model's tokenizer (loaded once; tests must not modify it)."""
+    from transformers import AutoTokenizer
+
+    from gramserve.model.loader import default_tokenizer_dir
+
+    return AutoTokenizer.from_pretrained(default_tokenizer_dir())
+
+
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
     srv = start_server(str(tmp_path_factory.mktemp("server")))
     yield srv

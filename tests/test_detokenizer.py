@@ -30,12 +30,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    from gramserve.model.loader import default_tokenizer_dir
-
-    return AutoTokenizer.from_pretrained(default_tokenizer_dir())
+def tok(tokenizer):
+    return tokenizer
 
 
 def random_chunks(ids: list[int], rng: random.Random, max_size: int = 5) -> list[list[int]]:

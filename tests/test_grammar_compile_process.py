@@ -21,15 +21,6 @@ EOS = 2
 RUNAWAY = "(a|b)*a(a|b){16}"  # outlines-core: minutes of CPU (the {12} version takes ~3 s)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from gramserve.model.loader import default_tokenizer_dir
-
-    return AutoTokenizer.from_pretrained(default_tokenizer_dir())
-
-
 @pytest.fixture
 def service(tokenizer):
     svc = GrammarService(tokenizer, len(tokenizer), [EOS], GrammarOptions(), allocate_bitmask(4, len(tokenizer)),

@@ -37,15 +37,6 @@ EOS = 2
 EXTRA_COLUMNS = 77  # logits wider than the tokenizer, not a multiple of 32
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from gramserve.model.loader import default_tokenizer_dir
-
-    return AutoTokenizer.from_pretrained(default_tokenizer_dir())
-
-
 _backends: dict = {}
 
 

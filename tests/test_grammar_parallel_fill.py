@@ -30,15 +30,6 @@ ROWS = 64
 needs_corpus = pytest.mark.skipif(not CORPUS.is_dir(), reason=f"corpus not found at {CORPUS}")
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from gramserve.model.loader import default_tokenizer_dir
-
-    return AutoTokenizer.from_pretrained(default_tokenizer_dir())
-
-
 _backends: dict = {}
 
 

@@ -6,20 +6,12 @@ import asyncio
 import concurrent.futures
 
 import httpx
-import pytest
-from transformers import AutoTokenizer
 
 from conftest import wait_pool_whole
 from gramserve.config import ServerArgs
 from gramserve.messages import TokenizedGenerateReq
-from gramserve.model.loader import default_tokenizer_dir
 from gramserve.sampling.params import SamplingParams
 from gramserve.scheduler.scheduler import Scheduler
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(default_tokenizer_dir())
 
 
 def _workload() -> list[list[int]]:

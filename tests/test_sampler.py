@@ -452,12 +452,8 @@ def test_validate_accepts(kwargs):
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    from gramserve.model.loader import default_tokenizer_dir
-
-    return AutoTokenizer.from_pretrained(default_tokenizer_dir())
+def tok(tokenizer):
+    return tokenizer
 
 
 CTX = 2048

@@ -425,15 +425,6 @@ SNEAKY["deepseek_v31"] = (
 )
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    from gramserve.model.loader import default_tokenizer_dir
-
-    return AutoTokenizer.from_pretrained(default_tokenizer_dir())
-
-
 _backends: dict = {}
 
 
