@@ -167,7 +167,7 @@ class Engine:
     def __init__(self, model_json: str, tokenizer_dir: str, grammar: bool, **overrides):
         from transformers import AutoTokenizer
 
-        from gramserve.scheduler.scheduler import Scheduler
+        from gramserve.scheduler.scheduler import Scheduler, default_num_threads
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         cfg = json.load(open(model_json))
@@ -200,6 +200,7 @@ class Engine:
                 client = LocalGrammarClient(service, bitmask)
         t0 = time.time()
         self.sched = Scheduler(self.args, self.tokenizer, client)
+        torch.set_num_threads(default_num_threads(self.sched.device))  # as the server's scheduler process does
         self.start_seconds = time.time() - t0
         self.info = self.sched.runner.info
         self.vocab = len(self.tokenizer)
@@ -277,6 +278,12 @@ class Engine:
             torch.cuda.empty_cache()
 
 
+def phases_per_step(before: dict, after: dict) -> dict:
+    """Mean host ms per scheduler step spent in each phase (Scheduler.phases) between two snapshots."""
+    steps = max(1, after["steps"] - before["steps"])
+    return {k: round((after[k] - before[k]) / steps, 3) for k in after if k != "steps"}
+
+
 def step_histogram(steps) -> dict:
     """Decode steps bucketed by batch size: count, mean ms, share of the decode time."""
     edges = [1, 8, 32, 64, 128, 256, 512, 768, 1024, 10**9]
@@ -350,7 +357,9 @@ def bench_decode_b1(eng: Engine, name: str, bw: float) -> None:
 def bench_throughput(eng: Engine, name: str, reqs) -> None:
     for prompt, n_out in reqs:
         eng.add(prompt, n_out)
+    before = eng.sched.phases.snapshot()
     res = eng.run()
+    phases = phases_per_step(before, eng.sched.phases.snapshot())
     pre = sum(s[3] for s in res["steps"] if s[0] == "prefill")
     dec = [s for s in res["steps"] if s[0] == "decode"]
     RESULTS.setdefault("throughput", {})[name] = {
@@ -360,7 +369,7 @@ def bench_throughput(eng: Engine, name: str, reqs) -> None:
         "prefill_s": pre, "decode_s": sum(s[3] for s in dec), "decode_steps": len(dec),
         "mean_decode_batch": statistics.mean(s[1] for s in dec) if dec else 0,
         "decode_by_batch": step_histogram(dec),
-        "retractions": eng.sched.stats["retractions"]}
+        "retractions": eng.sched.stats["retractions"], "phases_ms_per_step": phases}
     log.info("%s throughput: %s", name, RESULTS["throughput"][name])
 
 
@@ -386,7 +395,10 @@ def bench_grammar(eng: Engine, name: str, batch_sizes=(1, 32, 256), n_out: int =
             eng.sched.grammar.fill_ms.clear()
             for p in prompts:
                 eng.add(p, n_out, grammar=constrained)
+            before = eng.sched.phases.snapshot()
             res = eng.run()
+            row[("constrained" if constrained else "unconstrained") + "_phases_ms_per_step"] = \
+                phases_per_step(before, eng.sched.phases.snapshot())
             full = [s for s in res["steps"] if s[0] == "decode" and s[1] == bs]
             use = full if len(full) >= 8 else [s for s in res["steps"] if s[0] == "decode"]
             tok_s = sum(s[2] for s in use) / sum(s[3] for s in use)

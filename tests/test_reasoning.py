@@ -28,6 +28,14 @@ def r1_url(tmp_path_factory):
     assert srv.stop() == 0, srv.log()[-3000:]
 
 
+@pytest.fixture(scope="module")
+def r1_overlap_url(tmp_path_factory):
+    srv = start_server(str(tmp_path_factory.mktemp("r1o")), "--reasoning-parser", "deepseek-r1",
+                       "--overlap-schedule", "on")
+    yield srv.base_url + "/v1/chat/completions"
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
 def chat(url: str, **body) -> dict:
     r = httpx.post(url, json={"model": "default", "max_tokens": 40, "temperature": 0, **body}, timeout=120)
     assert r.status_code == 200, r.text
@@ -90,3 +98,10 @@ def test_streamed_reasoning_matches(r1_url):
                     content += c["delta"].get("content", "") or ""
     assert reasoning == whole["message"]["reasoning_content"]
     assert content == whole["message"]["content"]
+
+
+def test_grammar_after_reasoning_under_the_overlap_schedule(r1_overlap_url):
+    """The overlap loop asks for a step's masks before it records the tokens just read; a grammar that starts
+    with one of those tokens (the end marker) gets its first mask in a second request to the grammar process."""
+    test_grammar_starts_after_the_reasoning(r1_overlap_url)
+    test_tool_call_after_reasoning(r1_overlap_url)

@@ -7,6 +7,9 @@ Overlap schedule (default on CUDA): a step launches its forward, then reads the 
 (finish checks, grammar accepts, detokenizer hand-off) while the GPU computes, and only then launches its own
 sampling. Decode inputs are gathered on the device from `last_tokens`, so a batch can be built before its
 input tokens reach the host. A request that finished in step N still runs in step N+1; that row is dropped.
+Constrained rows: this step's masks depend on the tokens just read, so the grammar process is asked for them
+as soon as those tokens reach the host, before the scheduler's own per-request bookkeeping, which then runs
+while the masks are filled.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from gramserve.messages import (
 )
 from gramserve.model.forward_batch import ForwardBatch, ForwardMode
 from gramserve.model.runner import ModelRunner
-from gramserve.sampling.sampler import PendingSample, Sampler
+from gramserve.sampling.sampler import PendingSample, SampleResult, Sampler
 from gramserve.scheduler.grammar_client import GrammarClient
 from gramserve.scheduler.memory import ReqToTokenPool, TokenSlotAllocator
 from gramserve.scheduler.radix_cache import RadixCache
@@ -45,8 +48,15 @@ class _Forward:
     reqs: list[Req]  # one logits row each
     sampling: list[Req]  # those that sample a token this step
     logits: torch.Tensor
-    grammar_step: int | None  # grammar fill started before the forward (plain schedule)
-    fill: list[tuple[str, int]]
+    grammar: list[_GrammarFill]  # mask fills asked for (plain schedule: before the forward)
+
+
+@dataclass
+class _GrammarFill:
+    """One grammar-process step: which logits rows (by request) it fills."""
+
+    step: int
+    rows: list[tuple[str, int]]  # (rid, logits row)
 
 
 @dataclass
@@ -55,6 +65,34 @@ class _Sampled:
 
     reqs: list[Req]  # in result-row order
     pending: PendingSample
+
+
+class StepPhases:
+    """Host time per part of the scheduler's step (ms, cumulative; /get_server_info shows them).
+
+    launch_forward: pick the batch and queue the forward; wait_tokens: wait for the previous step's sampled ids;
+    record_tokens: per-request bookkeeping of those ids; output: build the detokenizer message and free what
+    finished; launch_sampling: grammar masks (including waiting for them) and queue the sampling.
+    """
+
+    NAMES = ("launch_forward", "wait_tokens", "record_tokens", "output", "launch_sampling")
+
+    def __init__(self):
+        self.ms = dict.fromkeys(self.NAMES, 0.0)
+        self.steps = 0
+        self._t = 0.0
+
+    def start(self) -> None:
+        self.steps += 1
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.ms[name] += (now - self._t) * 1e3
+        self._t = now
+
+    def snapshot(self) -> dict:
+        return {"steps": self.steps, **{k: round(v, 3) for k, v in self.ms.items()}}
 
 
 def use_overlap(setting: str, device: torch.device) -> bool:
@@ -90,6 +128,7 @@ class Scheduler:
         self.chunked: Req | None = None  # the request whose prompt is being prefilled chunk by chunk
         self.finished_early: list[Req] = []  # rejected before running; reported by the next step
         self._last_was_prefill = False
+        self.phases = StepPhases()
         self.stats = {"requests_finished": 0, "prompt_tokens": 0, "generation_tokens": 0, "forward_steps": 0,
                       "retractions": 0, "cached_prompt_tokens": 0}
 
@@ -302,20 +341,33 @@ class Scheduler:
     @torch.inference_mode()
     def step(self) -> BatchTokenOut | None:
         early, self.finished_early = self.finished_early, []
+        phases = self.phases
+        phases.start()
         try:
             fwd = self._launch_forward()
         except Exception:
             self.finished_early = early + self.finished_early  # still owed to their clients
             raise
+        phases.lap("launch_forward")
         if not self.overlap:
-            sampled = self._resolve(self._launch_sampling(fwd)) if fwd is not None else []
+            sampled = []
+            if fwd is not None:
+                pending = self._launch_sampling(fwd, fwd.grammar)
+                phases.lap("launch_sampling")
+                sampled = self._read_tokens(pending)
             return self._finish_step(early, sampled)
         prev, self.inflight = self.inflight, None
-        sampled = self._resolve(prev) if prev is not None else []  # while the GPU runs this step's forward
-        grammar = self._begin_grammar(fwd) if fwd is not None else None
-        out = self._finish_step(early, sampled)  # while the grammar process fills this step's masks
+        # While the GPU runs this step's forward: read the previous step's tokens, ask for this step's masks
+        # at once, and do the bookkeeping while the grammar process fills them.
+        result = self._wait_tokens(prev)
+        grammar = self._begin_grammar(fwd) if fwd is not None else []
+        sampled = self._record_tokens(prev, result)
+        if fwd is not None:  # requests whose grammar started with the token just recorded
+            grammar += self._begin_grammar(fwd, skip={rid for g in grammar for rid, _ in g.rows})
+        out = self._finish_step(early, sampled)
         if fwd is not None:
             self.inflight = self._launch_sampling(fwd, grammar)
+            phases.lap("launch_sampling")
         return out
 
     def _finish_step(self, early: list[Req], sampled: list[Req]) -> BatchTokenOut | None:
@@ -325,6 +377,7 @@ class Scheduler:
         self.running = [r for r in self.running if r.finished is None]
         if self.grammar is not None and not any(r.constrained for r in self.running):
             self.grammar.flush()
+        self.phases.lap("output")
         return out
 
     def _launch_forward(self) -> _Forward | None:
@@ -348,16 +401,14 @@ class Scheduler:
             batch = self._decode_batch(reqs)
         else:
             return None
-        grammar_step, fill = None, []
+        grammar: list[_GrammarFill] = []
         if not self.overlap:  # every input token is known: masks are filled while the model runs
-            fill = self._grammar_rows(reqs, sampling)
-            if fill:
-                grammar_step = self.grammar.begin_step(fill)
+            grammar = self._begin_grammar_rows(self._grammar_rows(reqs, sampling))
         try:
             logits = self.runner.forward(batch)
         except Exception:
-            if grammar_step is not None:
-                self.grammar.finish_step(grammar_step)
+            for g in grammar:
+                self.grammar.finish_step(g.step)
             raise
         self.stats["forward_steps"] += 1
         for req in sampling if picked else ():  # their prefill is complete: they decode from now on
@@ -365,22 +416,25 @@ class Scheduler:
                 self.chunked = None
             if req.finished is None:
                 self.running.append(req)
-        return _Forward(reqs, sampling, logits, grammar_step, fill)
+        return _Forward(reqs, sampling, logits, grammar)
 
     def _grammar_rows(self, reqs: list[Req], sampling: list[Req]) -> list[tuple[str, int]]:
         samples = {id(r) for r in sampling}  # a set: list membership is quadratic in the batch size
         return [(r.rid, i) for i, r in enumerate(reqs) if r.constrained and r.finished is None and id(r) in samples]
 
-    def _begin_grammar(self, fwd: _Forward) -> tuple[int | None, list[tuple[str, int]]]:
-        """Overlap: the previous tokens were just accepted, so this step's masks can be filled now."""
-        fill = self._grammar_rows(fwd.reqs, fwd.sampling)
-        return (self.grammar.begin_step(fill) if fill else None), fill
+    def _begin_grammar_rows(self, rows: list[tuple[str, int]]) -> list[_GrammarFill]:
+        return [_GrammarFill(self.grammar.begin_step(rows), rows)] if rows else []
 
-    def _launch_sampling(self, fwd: _Forward, grammar: tuple[int | None, list] | None = None) -> _Sampled:
+    def _begin_grammar(self, fwd: _Forward, skip: set[str] = frozenset()) -> list[_GrammarFill]:
+        """Overlap: ask for the masks of this step's constrained rows (the previous tokens' accepts go along).
+        Rows of requests that finish with the token being recorded are filled too, and then dropped."""
+        rows = [(rid, i) for rid, i in self._grammar_rows(fwd.reqs, fwd.sampling) if rid not in skip]
+        return self._begin_grammar_rows(rows)
+
+    def _launch_sampling(self, fwd: _Forward, grammar: list[_GrammarFill]) -> _Sampled:
         """Apply grammar masks and queue sampling; the sampled ids go to `last_tokens` on the device."""
-        grammar_step, fill = grammar if grammar is not None else (fwd.grammar_step, fwd.fill)
-        if grammar_step is not None:
-            self._apply_grammar(fwd.logits, fwd.reqs, fill, grammar_step)
+        for g in grammar:
+            self._apply_grammar(fwd.logits, fwd.reqs, g)
         samples = {id(r) for r in fwd.sampling}
         # Rows of requests that finished meanwhile (overlap, aborts, grammar errors) are dropped.
         rows = [i for i, r in enumerate(fwd.reqs) if id(r) in samples and r.finished is None]
@@ -393,38 +447,52 @@ class Scheduler:
         self.last_tokens[self._to_device([r.req_pool_idx for r in reqs])] = pending.token_ids
         return _Sampled(reqs, pending)
 
-    def _resolve(self, sampled: _Sampled) -> list[Req]:
-        """Read a step's sampled tokens back and record them; returns the requests that got a token."""
-        if not sampled.reqs:
-            return []
+    def _read_tokens(self, sampled: _Sampled) -> list[Req]:
+        """Wait for a step's sampled tokens and record them (plain schedule)."""
+        return self._record_tokens(sampled, self._wait_tokens(sampled))
+
+    def _wait_tokens(self, sampled: _Sampled | None) -> SampleResult | None:
+        """Wait for a step's sampled ids on the host; the grammar accepts of constrained rows go out with the
+        next grammar step."""
+        if sampled is None or not sampled.reqs:
+            return None
         result = sampled.pending.resolve()
+        self.phases.lap("wait_tokens")
+        if self.grammar is not None:
+            for req, tok in zip(sampled.reqs, result.token_ids):
+                # A request that finishes with this token is accepted too (its matcher is freed next).
+                if req.finished is None and req.constrained:
+                    self.grammar.accept(req.rid, tok)
+        return result
+
+    def _record_tokens(self, sampled: _Sampled | None, result: SampleResult | None) -> list[Req]:
+        """Record a step's sampled tokens; returns the requests that got a token."""
+        if result is None:
+            return []
         got = []
         for i, (req, tok) in enumerate(zip(sampled.reqs, result.token_ids)):
             if req.finished is not None:  # aborted while its token was in flight
                 continue
-            was_constrained = req.constrained
             req.append_token(tok, self.tokenizer, self.context_length)
             self.stats["generation_tokens"] += 1
-            if was_constrained and req.finished is None:
-                self.grammar.accept(req.rid, tok)
             if req.return_logprob:
                 top = result.top_logprobs[i][: req.top_logprobs] if result.top_logprobs else []
                 req.pending_logprobs.append(TokenLogprob(tok, result.logprobs[i], top))
             if req.finished is not None and req.req_pool_idx is None and req in self.waiting:
                 self.waiting.remove(req)  # retracted while its last token was in flight
             got.append(req)
+        self.phases.lap("record_tokens")
         return got
 
-    def _apply_grammar(self, logits: torch.Tensor, reqs: list[Req], fill: list[tuple[str, int]],
-                       step_id: int) -> None:
-        resp = self.grammar.finish_step(step_id)
+    def _apply_grammar(self, logits: torch.Tensor, reqs: list[Req], fill: _GrammarFill) -> None:
+        resp = self.grammar.finish_step(fill.step)
         rejected = set(resp.rejected)
         for req in reqs:
             if req.rid in rejected and req.finished is None:
                 req.finished = FinishReason("abort", message="the grammar rejected a token (internal error)",
                                             status_code=500)
                 self.finished_early.append(req)  # reported by the next step's output
-        self.grammar.apply(logits, [row for _, row in fill])
+        self.grammar.apply(logits, [row for _, row in fill.rows])
 
     def _output(self, reqs: list[Req]) -> BatchTokenOut:
         out = BatchTokenOut([], [], [], [], [], [], [], [], [])
@@ -507,6 +575,7 @@ class Scheduler:
             "num_grammar_compiling": len(self.grammar_wait),
             "stats": dict(self.stats),
             "grammar_timing": dict(self.grammar.timing) if self.grammar is not None else {},
+            "step_phases_ms": self.phases.snapshot(),
         }
 
 
@@ -522,6 +591,7 @@ def run_scheduler_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> N
         ctx = zmq.Context()
         grammar = GrammarClient(args, ctx) if args.grammar_shm else None
         scheduler = Scheduler(args, tokenizer, grammar)
+        torch.set_num_threads(args.num_threads or default_num_threads(scheduler.device))
     except Exception as exc:  # noqa: BLE001 - reported to the launcher, which exits with it
         logger.exception("scheduler failed to start")
         ready_pipe.send({"error": f"{type(exc).__name__}: {exc}"})
@@ -532,11 +602,19 @@ def run_scheduler_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> N
     loop(scheduler, inbox, to_detok)
 
 
-def default_num_threads() -> int:
+def default_num_threads(device: torch.device | None = None) -> int:
+    """Torch CPU threads for the scheduler process."""
+    if device is not None and device.type == "cuda":
+        # The model runs on the GPU; host tensor ops are small (ids, bitmask copies). Idle OpenMP threads spin
+        # after each parallel op and would take cores from the grammar process's fill threads.
+        return GPU_HOST_THREADS
     # Leave one core to the HTTP server and detokenizer: torch's OpenMP threads spin, and on a
     # small machine a contended core slows every matmul several-fold.
     cores = len(os.sched_getaffinity(0))
     return max(1, cores - 1) if cores <= 4 else cores - 2
+
+
+GPU_HOST_THREADS = 2
 
 
 def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket) -> None:
