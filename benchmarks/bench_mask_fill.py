@@ -150,6 +150,7 @@ def print_table(results: list[Result], modes: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the default model's)")
     p.add_argument("--backends", nargs="+", default=["xgrammar", "llguidance", "outlines"])
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16, 64, 256])
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="FillPool sizes to compare with serial")
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     from gramserve.model.loader import default_tokenizer_dir
 
     torch.set_num_threads(1)  # as in the grammar process
-    tokenizer = AutoTokenizer.from_pretrained(default_tokenizer_dir())
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_tokenizer_dir())
     modes: dict[str, FillPool | None] = {"serial": None}
     for n in args.threads:
         pool = FillPool(threads=n)

@@ -60,6 +60,9 @@ class GrammarStepReq:
     accept: list[tuple[str, int]]
     fill: list[tuple[str, int]]  # (rid, bitmask row)
     free: list[str]
+    # After answering, the grammar process polls for the next step without sleeping for this long (GPU serving:
+    # waking a sleeping process costs more than a small batch's whole fill on some hosts).
+    busy_poll_ms: float = 0.0
 
 
 @dataclass

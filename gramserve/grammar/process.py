@@ -7,6 +7,7 @@ token allowed) that the scheduler reads after its forward: no mask bytes cross t
 from __future__ import annotations
 
 import logging
+import time
 from multiprocessing import shared_memory
 
 import torch
@@ -64,10 +65,11 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> Non
     ready_pipe.send({"ok": True})
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    busy_until = 0.0  # poll without sleeping until then (GrammarStepReq.busy_poll_ms)
     try:
         while True:
             # Poll quickly while compiles are in flight, so their results go out promptly.
-            timeout = 2 if service.pending else 1000
+            timeout = 0 if time.monotonic() < busy_until else 2 if service.pending else 1000
             if poller.poll(timeout):
                 while True:
                     try:
@@ -75,6 +77,8 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> Non
                     except zmq.Again:
                         break
                     handle(service, msg, to_scheduler)
+                    if isinstance(msg, GrammarStepReq) and msg.busy_poll_ms:
+                        busy_until = time.monotonic() + msg.busy_poll_ms / 1e3
             for resp in service.poll_compiles():
                 to_scheduler.send_pyobj(resp)
     finally:

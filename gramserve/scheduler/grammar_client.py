@@ -17,10 +17,12 @@ from gramserve.config import ServerArgs
 from gramserve.grammar.process import attach_bitmask
 from gramserve.ipc import GRAMMAR_IN, SCHEDULER_GRAMMAR_IN, pull_socket, push_socket
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
+from gramserve.sampling.grammar_masks import MaskApplier
 
 logger = logging.getLogger(__name__)
 
 STEP_TIMEOUT_MS = 60_000
+BUSY_POLL_MS = 20.0  # with busy_poll: how long either side polls without sleeping before it blocks
 
 
 class GrammarProcessError(RuntimeError):
@@ -36,6 +38,10 @@ class GrammarClient:
         self._accept: list[tuple[str, int]] = []
         self._free: list[str] = []
         self._compiled: list[GrammarCompileResp] = []
+        self._masks: MaskApplier | None = None  # made on the first apply, for the logits' device
+        # Poll for replies without sleeping (the scheduler sets it on a GPU, where the step is short and cores
+        # are many): a blocked process takes up to ~0.5 ms to wake on some hosts.
+        self.busy_poll = False
         # Where constrained steps spend the scheduler's time (ms, cumulative; /get_server_info shows them).
         self.timing = {"steps": 0, "wait_after_forward_ms": 0.0, "apply_ms": 0.0, "fill_ms": 0.0}
 
@@ -50,7 +56,8 @@ class GrammarClient:
 
     def begin_step(self, fill: list[tuple[str, int]]) -> int:
         self._step += 1
-        self.to_grammar.send_pyobj(GrammarStepReq(self._step, self._accept, fill, self._free))
+        self.to_grammar.send_pyobj(GrammarStepReq(self._step, self._accept, fill, self._free,
+                                                  BUSY_POLL_MS if self.busy_poll else 0.0))
         self._accept, self._free = [], []
         return self._step
 
@@ -68,10 +75,17 @@ class GrammarClient:
         return resp
 
     def _wait_step(self, step: int) -> GrammarStepResp:
+        spin_until = time.monotonic() + BUSY_POLL_MS / 1e3 if self.busy_poll else 0.0
         while True:
-            if not self.inbox.poll(STEP_TIMEOUT_MS):
-                raise GrammarProcessError(f"no mask from the grammar process for step {step}")
-            msg = self.inbox.recv_pyobj()
+            if time.monotonic() < spin_until:
+                try:
+                    msg = self.inbox.recv_pyobj(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+            else:
+                if not self.inbox.poll(STEP_TIMEOUT_MS):
+                    raise GrammarProcessError(f"no mask from the grammar process for step {step}")
+                msg = self.inbox.recv_pyobj()
             if isinstance(msg, GrammarCompileResp):
                 self._compiled.append(msg)
             elif isinstance(msg, GrammarStepResp) and msg.step == step:
@@ -91,33 +105,7 @@ class GrammarClient:
     def apply(self, logits: torch.Tensor, rows: list[int]) -> None:
         """Mask `logits[rows]` in place with the bitmask rows of the same index."""
         t0 = time.perf_counter()
-        self._apply(logits, rows)
+        if self._masks is None:
+            self._masks = MaskApplier(self.bitmask, logits.device)
+        self._masks.apply(logits, rows)
         self.timing["apply_ms"] += (time.perf_counter() - t0) * 1e3
-
-    def _apply(self, logits: torch.Tensor, rows: list[int]) -> None:
-        from gramserve.grammar.backends.base import apply_bitmask
-
-        n = len(rows)
-        if rows == list(range(n)):  # the first n rows (e.g. every row constrained): mask in place, no copies
-            apply_bitmask(logits[:n], _upload(self.bitmask[:n], logits.device))
-            return
-        idx = torch.tensor(rows, dtype=torch.long)
-        idx_dev = idx.to(logits.device, non_blocking=True)
-        sub = logits[idx_dev]
-        apply_bitmask(sub, _upload(self.bitmask[idx], logits.device))
-        logits[idx_dev] = sub
-
-
-def _upload(rows: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Bitmask rows to the logits' device without waiting for the GPU.
-
-    A copy from pageable memory (the shared bitmask) larger than the driver's staging buffer waits until the
-    stream reaches it, i.e. until the forward in flight ends, which stalls the overlap loop at large batches.
-    So the rows go through a page-locked buffer of torch's caching host allocator, which does not hand the
-    buffer out again before the copy has run.
-    """
-    if device.type != "cuda":
-        return rows
-    staging = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-    staging.copy_(rows)
-    return staging.to(device, non_blocking=True)

@@ -120,6 +120,8 @@ class Scheduler:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.cache = RadixCache(self.allocator, disabled=args.disable_radix_cache)
         self.overlap = use_overlap(args.overlap_schedule, self.device)
+        if grammar is not None:
+            grammar.busy_poll = self.device.type == "cuda"
         # The last sampled token of each request row, written on the device by sampling, read by decode.
         self.last_tokens = torch.zeros(args.max_running_requests, dtype=torch.long, device=self.device)
         self.inflight: _Sampled | None = None  # overlap: the previous step, not yet read back
