@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from gramserve.grammar.backends import GrammarSpec, create_backend

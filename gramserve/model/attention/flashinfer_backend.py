@@ -55,10 +55,23 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
         self._graph_wrappers: dict[int, Any] = {}
+        self._plan_copied = torch.cuda.Event()  # recorded after each plan's host-to-device copy was queued
 
     def _plan_args(self) -> dict:
         dt = self.kv_cache.dtype
         return dict(sm_scale=self.scale, q_data_type=dt, kv_data_type=dt)
+
+    def _plan(self, wrapper, *args, **kwargs) -> None:
+        """`wrapper.plan` once the previous plan's copy has run.
+
+        FlashInfer's plan writes its schedule into the wrapper's page-locked buffer and queues a non-blocking
+        copy to the GPU. Under the overlap schedule the next batch is planned while the last one is still
+        queued; writing the buffer before its copy ran would hand that batch the new schedule. The wait is
+        normally free: the copy sits right behind the sampling step the scheduler has already waited for.
+        """
+        self._plan_copied.synchronize()
+        wrapper.plan(*args, **kwargs)
+        self._plan_copied.record()
 
     def _indices(self, batch_rows, seq_lens, indptr_cpu: torch.Tensor, req_to_token) -> torch.Tensor:
         dev = self.kv_cache.device
@@ -72,12 +85,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         last_page = torch.ones(bs, dtype=torch.int32)
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         if batch.mode == ForwardMode.DECODE:
-            self.decode.plan(kv_indptr, kv_indices, last_page, h, hk, d, 1, **self._plan_args())
+            self._plan(self.decode, kv_indptr, kv_indices, last_page, h, hk, d, 1, **self._plan_args())
             batch.attn_metadata = FlashInferMetadata(self.decode)
         else:
             qo_indptr = _indptr(batch.extend_seq_lens_cpu)
-            self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last_page, h, hk, d, 1, causal=True,
-                              **self._plan_args())
+            self._plan(self.prefill, qo_indptr, kv_indptr, kv_indices, last_page, h, hk, d, 1, causal=True,
+                       **self._plan_args())
             batch.attn_metadata = FlashInferMetadata(self.prefill)
 
     def forward(self, q, k, v, layer, batch, scale):
@@ -107,5 +120,5 @@ class FlashInferAttentionBackend(AttentionBackend):
     def cuda_graph_replay_metadata(self, bs, req_pool_indices, seq_lens, seq_lens_cpu, req_to_token):
         kv_indptr = _indptr(seq_lens_cpu)
         kv_indices = self._indices(req_pool_indices, seq_lens, kv_indptr, req_to_token)
-        self._graph_wrappers[bs].plan(kv_indptr, kv_indices, torch.ones(bs, dtype=torch.int32),
-                                      self.num_heads, self.num_kv_heads, self.head_dim, 1, **self._plan_args())
+        self._plan(self._graph_wrappers[bs], kv_indptr, kv_indices, torch.ones(bs, dtype=torch.int32),
+                   self.num_heads, self.num_kv_heads, self.head_dim, 1, **self._plan_args())
