@@ -58,13 +58,10 @@ class MaskApplier:
             self._copied[k].synchronize()  # the copy that last read this buffer (RING uses ago) has run
         n = len(rows)
         staged = self._staging[k][:n]
-        if rows == list(range(n)):
-            staged[:, 0] = torch.arange(n, dtype=torch.int32)
-            staged[:, 1:] = self.bitmask[:n]
-        else:
-            idx = torch.tensor(rows, dtype=torch.long)
-            staged[:, 0] = idx.to(torch.int32)
-            staged[:, 1:] = self.bitmask[idx]
+        idx = torch.tensor(rows, dtype=torch.long)
+        staged[:, 0] = idx
+        # Every row constrained (the common case): a slice copy instead of a gather.
+        staged[:, 1:] = self.bitmask[:n] if rows == list(range(n)) else self.bitmask[idx]
         masks = self._masks[:n]
         masks.copy_(staged, non_blocking=True)
         event = self._copied[k] or torch.cuda.Event()

@@ -40,7 +40,7 @@ class GrammarClient:
         self._compiled: list[GrammarCompileResp] = []
         self._masks: MaskApplier | None = None  # made on the first apply, for the logits' device
         # Poll for replies without sleeping (the scheduler sets it on a GPU, where the step is short and cores
-        # are many): a blocked process takes up to ~0.5 ms to wake on some hosts.
+        # are many): a round trip through a blocked process cost ~0.7 ms more on the H100 host (docs/benchmarks.md).
         self.busy_poll = False
         # Where constrained steps spend the scheduler's time (ms, cumulative; /get_server_info shows them).
         self.timing = {"steps": 0, "wait_after_forward_ms": 0.0, "apply_ms": 0.0, "fill_ms": 0.0}

@@ -362,10 +362,10 @@ class Scheduler:
         # While the GPU runs this step's forward: read the previous step's tokens, ask for this step's masks
         # at once, and do the bookkeeping while the grammar process fills them.
         result = self._wait_tokens(prev)
-        grammar = self._begin_grammar(fwd) if fwd is not None else []
+        grammar, not_started = self._begin_grammar(fwd) if fwd is not None else ([], [])
         sampled = self._record_tokens(prev, result)
-        if fwd is not None:  # requests whose grammar started with the token just recorded
-            grammar += self._begin_grammar(fwd, skip={rid for g in grammar for rid, _ in g.rows})
+        # Requests whose grammar started with the token just recorded (start_after) need their masks too.
+        grammar += self._begin_grammar_rows([(r.rid, i) for r, i in not_started if r.constrained])
         out = self._finish_step(early, sampled)
         if fwd is not None:
             self.inflight = self._launch_sampling(fwd, grammar)
@@ -427,11 +427,19 @@ class Scheduler:
     def _begin_grammar_rows(self, rows: list[tuple[str, int]]) -> list[_GrammarFill]:
         return [_GrammarFill(self.grammar.begin_step(rows), rows)] if rows else []
 
-    def _begin_grammar(self, fwd: _Forward, skip: set[str] = frozenset()) -> list[_GrammarFill]:
+    def _begin_grammar(self, fwd: _Forward) -> tuple[list[_GrammarFill], list[tuple[Req, int]]]:
         """Overlap: ask for the masks of this step's constrained rows (the previous tokens' accepts go along).
-        Rows of requests that finish with the token being recorded are filled too, and then dropped."""
-        rows = [(rid, i) for rid, i in self._grammar_rows(fwd.reqs, fwd.sampling) if rid not in skip]
-        return self._begin_grammar_rows(rows)
+        Rows of requests that finish with the token being recorded are filled too, and then dropped.
+        Also returns the (request, row) pairs whose grammar has not started yet (waiting for `start_after`)."""
+        samples = {id(r) for r in fwd.sampling}
+        rows, not_started = [], []
+        for i, r in enumerate(fwd.reqs):
+            if r.grammar is not None and r.finished is None and id(r) in samples:
+                if r.constrained:
+                    rows.append((r.rid, i))
+                else:
+                    not_started.append((r, i))
+        return self._begin_grammar_rows(rows), not_started
 
     def _launch_sampling(self, fwd: _Forward, grammar: list[_GrammarFill]) -> _Sampled:
         """Apply grammar masks and queue sampling; the sampled ids go to `last_tokens` on the device."""
@@ -604,6 +612,9 @@ def run_scheduler_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> N
     loop(scheduler, inbox, to_detok)
 
 
+GPU_HOST_THREADS = 2
+
+
 def default_num_threads(device: torch.device | None = None) -> int:
     """Torch CPU threads for the scheduler process."""
     if device is not None and device.type == "cuda":
@@ -615,8 +626,6 @@ def default_num_threads(device: torch.device | None = None) -> int:
     cores = len(os.sched_getaffinity(0))
     return max(1, cores - 1) if cores <= 4 else cores - 2
 
-
-GPU_HOST_THREADS = 2
 
 
 def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket) -> None:
