@@ -1,7 +1,7 @@
 """GPU benchmark of gramserve in one run, with a short table printed last.
 
-Drives the engine in-process (Scheduler + ModelRunner, no HTTP server and no detokenizer; the grammar
-service runs in-process with mask filling on a worker thread while the forward runs), on dummy bf16 weights in
+Drives the engine in-process (Scheduler + ModelRunner, no HTTP server and no detokenizer; grammar masks come
+from the server's own GrammarBackend process, with the token feed as in serving), on dummy bf16 weights in
 the shapes of Llama-3.1-8B and Llama-3.2-1B:
 
 1. decode at batch 1: time per output token (median scheduler step) vs the roofline, i.e. the bytes of
@@ -9,7 +9,8 @@ the shapes of Llama-3.1-8B and Llama-3.2-1B:
 2. throughput: N requests (default 1,000) with ShareGPT-like random lengths, all submitted at once: output tok/s;
 3. HF transformers on a subset of the same prompts (batched `generate`, and `generate_batch` where it exists)
    and gramserve on the same subset: the ratio;
-4. JSON-schema-constrained vs unconstrained decode tok/s at batch 1, 32 and 256 (bitmask applied on the GPU);
+4. JSON-schema-constrained vs unconstrained decode tok/s at batch 1, 32 and 256 (bitmask applied on the GPU;
+   `--no-feed-models` repeats it without the token feed, rows '<model> no-feed');
 5. attention micro-benchmarks per backend (decode and prefill) with achieved bandwidth / FLOP rate.
 
     python benchmarks/bench_gpu.py --assets .gpu --out bench_gpu.json
@@ -28,18 +29,16 @@ import statistics
 import sys
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from gramserve.config import ServerArgs  # noqa: E402
-from gramserve.messages import GrammarCompileReq, GrammarRequest, GrammarStepReq, TokenizedGenerateReq  # noqa: E402
+from gramserve.messages import GrammarRequest, TokenizedGenerateReq  # noqa: E402
 from gramserve.sampling.params import SamplingParams  # noqa: E402
 
 log = logging.getLogger("bench_gpu")
-GRAMMAR_MODE = "process"  # process: the server's GrammarBackend process; thread: in-process service
 DEVICE = "cuda"  # "cpu" only for a smoke run of the script itself (--device cpu)
 
 
@@ -110,68 +109,10 @@ def workload(n: int, seed: int, vocab: int, in_mean=200, out_mean=180) -> list[t
     return out
 
 
-class LocalGrammarClient:
-    """The scheduler's GrammarClient interface over an in-process GrammarService. Masks for a step are filled
-    on a worker thread while the forward runs (the server does this in the GrammarBackend process)."""
-
-    def __init__(self, service, bitmask: torch.Tensor):
-        self.service, self.bitmask = service, bitmask
-        self._masks = None
-        self._accept, self._free, self._compiled = [], [], []
-        self._worker = ThreadPoolExecutor(1)
-        self._future = None
-        self._step = 0
-        self.fill_ms: list[float] = []
-        self.timing = {"steps": 0, "wait_after_forward_ms": 0.0, "apply_ms": 0.0, "fill_ms": 0.0}
-
-    def compile(self, rid, grammar):
-        resp = self.service.submit(GrammarCompileReq(rid, grammar))
-        if resp is not None:
-            self._compiled.append(resp)
-
-    def poll_compiles(self):
-        out, self._compiled = self._compiled + self.service.poll_compiles(), []
-        return out
-
-    def accept(self, rid, token):
-        self._accept.append((rid, token))
-
-    def free(self, rid):
-        self._free.append(rid)
-
-    def begin_step(self, fill):
-        self._step += 1
-        req = GrammarStepReq(self._step, self._accept, fill, self._free)
-        self._accept, self._free = [], []
-        self._future = self._worker.submit(self.service.step, req)
-        return self._step
-
-    def finish_step(self, step):
-        t0 = time.perf_counter()
-        resp = self._future.result()
-        self.timing["steps"] += 1
-        self.timing["wait_after_forward_ms"] += (time.perf_counter() - t0) * 1e3
-        self.timing["fill_ms"] += resp.fill_ms
-        self.fill_ms.append(resp.fill_ms)
-        return resp
-
-    def flush(self):
-        if self._accept or self._free:
-            self.begin_step([])
-            self._future.result()
-
-    def apply(self, logits, rows):
-        from gramserve.sampling.grammar_masks import MaskApplier
-
-        if self._masks is None:
-            self._masks = MaskApplier(self.bitmask, logits.device)
-        self._masks.apply(logits, rows)
-
-
 class Engine:
     """A Scheduler in this process, driven step by step."""
 
-    def __init__(self, model_json: str, tokenizer_dir: str, grammar: bool, **overrides):
+    def __init__(self, model_json: str, tokenizer_dir: str, grammar: bool, token_feed: bool = True, **overrides):
         from transformers import AutoTokenizer
 
         from gramserve.scheduler.scheduler import Scheduler, default_num_threads
@@ -183,9 +124,6 @@ class Engine:
         self.args.vocab_size = cfg["vocab_size"]
         client = None
         if grammar:
-            from gramserve.grammar.backends.base import GrammarOptions
-            from gramserve.grammar.service import GrammarService
-
             eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], list) else [cfg["eos_token_id"]]
             eos = sorted(set(eos) | {self.tokenizer.eos_token_id})
             self.args.eos_token_ids = tuple(eos)
@@ -195,18 +133,11 @@ class Engine:
             gvocab = len(self.tokenizer)
             eos = [t for t in eos if t < gvocab]
             self.args.eos_token_ids = tuple(eos)
-            words = (gvocab + 31) // 32
-            bitmask = torch.zeros((self.args.max_running_requests, words), dtype=torch.int32)
-            bitmask = bitmask.pin_memory() if DEVICE == "cuda" else bitmask
-            if GRAMMAR_MODE == "process":
-                client = self._grammar_process(tokenizer_dir, gvocab)
-            else:
-                service = GrammarService(self.tokenizer, gvocab, eos,
-                                         GrammarOptions(max_whitespace=2, strict_json=True), bitmask,
-                                         default_backend="xgrammar")
-                client = LocalGrammarClient(service, bitmask)
+            client = self._grammar_process(tokenizer_dir, gvocab)
         t0 = time.time()
         self.sched = Scheduler(self.args, self.tokenizer, client)
+        if client is not None and not token_feed:
+            client.stop_feed()
         torch.set_num_threads(default_num_threads(self.sched.device))  # as the server's scheduler process does
         self.start_seconds = time.time() - t0
         self.info = self.sched.runner.info
@@ -222,27 +153,29 @@ class Engine:
         self.run()
 
     def _grammar_process(self, tokenizer_dir: str, gvocab: int):
-        """The server's own GrammarBackend process and GrammarClient (ZeroMQ + shared-memory bitmask)."""
+        """The server's own GrammarBackend process and GrammarClient (ZeroMQ + shared-memory bitmask and token
+        feed)."""
         import multiprocessing as mp
         import tempfile
 
         import zmq
 
-        from gramserve.grammar.process import create_bitmask_shm, run_grammar_process
+        from gramserve.grammar.grammar_shm import create_grammar_shm
+        from gramserve.grammar.process import run_grammar_process
         from gramserve.scheduler.grammar_client import GrammarClient
 
         class TimedGrammarClient(GrammarClient):
             fill_ms: list[float] = []
 
-            def finish_step(self, step):
-                resp = super().finish_step(step)
-                self.fill_ms.append(resp.fill_ms)
-                return resp
+            def _on_step(self, resp):
+                super()._on_step(resp)
+                if resp.fill_ms:
+                    self.fill_ms.append(resp.fill_ms)
 
         self.args.ipc_dir = tempfile.mkdtemp(prefix="gramserve-bench-")
         self.args.vocab_size = gvocab
         self.args.grammar_backend = "xgrammar"
-        self._shm = create_bitmask_shm(self.args.max_running_requests, gvocab)
+        self._shm = create_grammar_shm(self.args.max_running_requests, gvocab)
         self.args.grammar_shm = self._shm.name
         ctx = mp.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)
@@ -282,12 +215,16 @@ class Engine:
         return {"wall_s": wall, "output_tokens": out_tokens, "steps": steps}
 
     def close(self) -> None:
+        if self.sched.grammar is not None:
+            self.sched.grammar.close()
         if getattr(self, "_gproc", None) is not None:
             self._gproc.terminate()
             self._gproc.join(5)
+        del self.sched
+        gc.collect()
+        if getattr(self, "_shm", None) is not None:
             self._shm.close()
             self._shm.unlink()
-        del self.sched
         gc.collect()
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
@@ -425,6 +362,7 @@ def bench_grammar(eng: Engine, name: str, batch_sizes=(1, 32, 256), n_out: int =
                 row["grammar_client_ms_per_step"] = {
                     k: round((timing[k] - timing_before[k]) / max(1, timing["steps"] - timing_before["steps"]), 3)
                     for k in ("wait_after_forward_ms", "apply_ms", "fill_ms")}
+                row["fed_steps"] = timing["fed_steps"] - timing_before["fed_steps"]
             if constrained and eng.sched.grammar.fill_ms:
                 row["mask_fill_ms_median"] = statistics.median(eng.sched.grammar.fill_ms)
             row[("constrained" if constrained else "unconstrained") + "_step_ms"] = \
@@ -569,12 +507,14 @@ def table() -> str:
     g = RESULTS.get("grammar", {})
     if g:
         lines.append("")
-        lines.append("| model | batch | unconstrained tok/s | constrained tok/s | ratio | mask fill ms/step |")
-        lines.append("|---|---|---|---|---|---|")
+        lines.append("| model | batch | unconstrained tok/s | constrained tok/s | ratio | mask fill ms/step | "
+                     "step ms u / c |")
+        lines.append("|---|---|---|---|---|---|---|")
         for name, rows in g.items():
             for bs, r in rows.items():
                 lines.append(f"| {name} | {bs} | {r['unconstrained']:.0f} | {r['constrained']:.0f} | {r['ratio']:.3f} | "
-                             f"{r.get('mask_fill_ms_median', float('nan')):.2f} |")
+                             f"{r.get('mask_fill_ms_median', float('nan')):.2f} | "
+                             f"{r['unconstrained_step_ms']:.2f} / {r['constrained_step_ms']:.2f} |")
     a = RESULTS.get("attention", {})
     if a:
         backends = sorted({b for v in a.values() for b in v})
@@ -619,11 +559,11 @@ def main() -> None:
     p.add_argument("--out", default="bench_gpu.json")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script, numbers meaningless")
     p.add_argument("--grammar-batch-sizes", default="1,32,256")
-    p.add_argument("--grammar-mode", default="process", choices=["process", "thread"],
-                   help="process: masks filled by the server's GrammarBackend process (as in serving)")
+    p.add_argument("--no-feed-models", default="",
+                   help="grammar models whose constrained section also runs without the token feed")
     args = p.parse_args()
-    global DEVICE, GRAMMAR_MODE
-    DEVICE, GRAMMAR_MODE = args.device, args.grammar_mode
+    global DEVICE
+    DEVICE = args.device
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     skip = set(filter(None, args.skip.split(",")))
     t_start = time.time()
@@ -681,11 +621,19 @@ def main() -> None:
         save(args.out)
         if "hf" not in skip and name in args.hf_models.split(","):
             bench_subset(eng, name, hf_subset, hf_out)
+        grammar_bs = tuple(int(b) for b in args.grammar_batch_sizes.split(","))
         if "grammar" not in skip and name in args.grammar_models.split(","):
-            bench_grammar(eng, name, tuple(int(b) for b in args.grammar_batch_sizes.split(",")))
+            bench_grammar(eng, name, grammar_bs)
         save(args.out)
         eng.close()
         del eng
+        if "grammar" not in skip and name in args.no_feed_models.split(","):
+            eng = Engine(model_json, args.assets, grammar=True, token_feed=False,
+                         overlap_schedule=args.overlap_schedule, **engine_kw)
+            bench_grammar(eng, name + " no-feed", grammar_bs)
+            save(args.out)
+            eng.close()
+            del eng
         if "hf" not in skip and name in args.hf_models.split(","):
             bench_hf(model_json, name, hf_subset, hf_out)
             save(args.out)

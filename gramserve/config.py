@@ -54,7 +54,7 @@ class ServerArgs:
     reasoning_parser: str | None = None  # e.g. deepseek-r1, qwen3, qwen3-thinking; None: no reasoning split
     # Filled by the launcher at start-up.
     ipc_dir: str = ""
-    grammar_shm: str = ""  # shared-memory name of the token bitmask
+    grammar_shm: str = ""  # shared-memory name of the token feed + bitmask (grammar/grammar_shm.py)
     vocab_size: int = 0  # logits width
     eos_token_ids: tuple[int, ...] = ()
     grammar_text_tokens: tuple[str, ...] = ()  # tool-call / reasoning markers grammars may match as one token

@@ -58,11 +58,14 @@ class GrammarStepReq:
 
     step: int
     accept: list[tuple[str, int]]
-    fill: list[tuple[str, int]]  # (rid, bitmask row)
+    fill: list[tuple[str, int]]  # (rid, bitmask row): a row belongs to one request while it runs
     free: list[str]
     # After answering, the grammar process polls for the next step without sleeping for this long (GPU serving:
     # waking a sleeping process costs more than a small batch's whole fill on some hosts).
     busy_poll_ms: float = 0.0
+    # (rid, position): accepted, after `accept`, from this step's ids in the token feed (grammar/token_feed.py),
+    # which the sampler writes there; the grammar process waits for them.
+    fed: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass

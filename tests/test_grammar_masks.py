@@ -15,10 +15,12 @@ from gramserve.grammar.backends.base import _torch_apply_bitmask
 from gramserve.sampling.grammar_masks import MaskApplier
 
 
-def reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+def reference(logits: torch.Tensor, bitmask: torch.Tensor, pairs: list[tuple[int, int]]) -> torch.Tensor:
+    """logits[row] masked with bitmask[slot] for each (row, slot)."""
+    rows, slots = [r for r, _ in pairs], [s for _, s in pairs]
     out = logits.clone()
     sub = out[rows]
-    _torch_apply_bitmask(sub, bitmask[rows])
+    _torch_apply_bitmask(sub, bitmask[slots])
     sub[:, bitmask.shape[1] * 32:] = float("-inf")  # logits wider than the grammar's vocabulary
     out[rows] = sub
     return out
@@ -29,12 +31,21 @@ def random_bitmask(rows: int, words: int, seed: int) -> torch.Tensor:
     return torch.randint(-2**31, 2**31 - 1, (rows, words), generator=g, dtype=torch.int64).to(torch.int32)
 
 
-@pytest.mark.parametrize("rows", [[0, 1, 2, 3, 4, 5], [0, 1, 2], [4, 1], [5]])
-def test_cpu_applier_matches_the_reference(rows):
-    bitmask = random_bitmask(8, 40, seed=len(rows))
+PAIRS = [
+    [(i, i) for i in range(6)],  # every row constrained, slots in order
+    [(0, 0), (1, 1), (2, 2)],
+    [(0, 7), (1, 3), (2, 0)],  # the first rows, other slots
+    [(4, 1), (1, 6)],
+    [(5, 2)],
+]
+
+
+@pytest.mark.parametrize("pairs", PAIRS)
+def test_cpu_applier_matches_the_reference(pairs):
+    bitmask = random_bitmask(8, 40, seed=len(pairs))
     logits = torch.randn(6, 40 * 32 + 17)  # 17 columns past the bitmask
-    want = reference(logits, bitmask, rows)
-    MaskApplier(bitmask, torch.device("cpu")).apply(logits, rows)
+    want = reference(logits, bitmask, pairs)
+    MaskApplier(bitmask, torch.device("cpu")).apply(logits, pairs)
     assert torch.equal(logits, want)
 
 
@@ -44,13 +55,13 @@ KERNEL_CHECK = textwrap.dedent("""
     from tests.test_grammar_masks import random_bitmask, reference
 
     for dtype in (torch.float32, torch.bfloat16):
-        for vocab, words, rows in ((5000, 100, [3, 0, 4]), (3200, 100, [0, 1, 2, 3, 4]), (4100, 130, [2])):
-            bitmask = random_bitmask(5, words, seed=vocab)
+        cases = ((5000, 100, [(3, 6), (0, 0), (4, 2)]), (3200, 100, [(i, i) for i in range(5)]), (4100, 130, [(2, 7)]))
+        for vocab, words, pairs in cases:
+            bitmask = random_bitmask(8, words, seed=vocab)
             logits = torch.randn(5, vocab).to(dtype)
-            want = reference(logits, bitmask, rows)
-            masks = torch.cat([torch.tensor(rows, dtype=torch.int32)[:, None], bitmask[rows]], 1).contiguous()
-            apply_masks(logits, masks, covered=min(vocab, words * 32))
-            assert torch.equal(logits, want), (dtype, vocab, words, rows)
+            want = reference(logits, bitmask, pairs)
+            apply_masks(logits, bitmask, torch.tensor(pairs, dtype=torch.int32), covered=min(vocab, words * 32))
+            assert torch.equal(logits, want), (dtype, vocab, words, pairs)
     print("ok")
 """)
 

@@ -1,14 +1,16 @@
 """Grammar bitmasks onto the logits, on the logits' device.
 
-The grammar process writes one bitmask row per constrained request into shared host memory; `MaskApplier`
-masks the matching logits rows with them.
+The grammar process writes one bitmask row per constrained request (its slot) into shared host memory;
+`MaskApplier.apply(logits, pairs)` masks `logits[row]` with bitmask row `slot` for each (row, slot).
 
-* CPU: `apply_bitmask` on the shared rows directly.
-* CUDA: the rows are packed with their logits row index into one of a few page-locked staging buffers
-  (allocated once), copied to the GPU in one non-blocking copy and applied by one Triton kernel
-  (`bitmask_kernel`), which also disallows logits columns past the grammar's vocabulary. Nothing waits for
-  the GPU: a staging buffer is refilled only after the copy that read it has run (its event), which is long
-  done by the time the ring comes round.
+* CPU: `apply_bitmask` on the gathered rows.
+* CUDA: the shared bitmask is page-locked (by the GrammarClient, `grammar_shm.page_lock`), so the rows up to
+  the highest slot in use go to the GPU in one asynchronous copy with no host-side copy; the (row, slot) pairs go through a small
+  page-locked buffer; one Triton kernel (`bitmask_kernel`) applies them and also disallows logits columns past
+  the grammar's vocabulary. Nothing waits for the GPU. A slot is rewritten by the grammar process only after the
+  step that read it has sampled (the next fill needs that step's tokens), or, for a slot just handed to a new
+  request, while only a finished request's discarded row could still read it.
+  If it could not be page-locked, the rows are staged through a page-locked copy instead.
 """
 
 from __future__ import annotations
@@ -17,54 +19,63 @@ import torch
 
 from gramserve.grammar.backends.base import apply_bitmask
 
-RING = 4  # staging buffers; a step uses one (two when a grammar starts mid-step)
+RING = 2  # page-locked buffers for the (row, slot) pairs; one is refilled while the other's copy may be queued
 
 
 class MaskApplier:
-    def __init__(self, bitmask: torch.Tensor, device: torch.device):
-        self.bitmask = bitmask  # [max_rows, words] int32, host (shared memory)
+    def __init__(self, bitmask: torch.Tensor, device: torch.device, pinned: bool = False):
+        self.bitmask = bitmask  # [slots, words] int32, host (shared memory); `pinned`: page-locked
         self.device = device
         self.cuda = device.type == "cuda"
         if self.cuda:
-            rows, words = bitmask.shape
-            self._staging = [torch.empty((rows, words + 1), dtype=torch.int32, pin_memory=True) for _ in range(RING)]
+            slots, words = bitmask.shape
+            self._staging = None if pinned else torch.empty((slots, words), dtype=torch.int32, pin_memory=True)
+            self._pairs = [torch.empty((slots, 2), dtype=torch.int32, pin_memory=True) for _ in range(RING)]
             self._copied: list[torch.cuda.Event | None] = [None] * RING
-            self._masks = torch.empty((rows, words + 1), dtype=torch.int32, device=device)
             self._next = 0
+            self._masks = torch.empty((slots, words), dtype=torch.int32, device=device)
+            self._pairs_dev = torch.empty((slots, 2), dtype=torch.int32, device=device)
 
-    def apply(self, logits: torch.Tensor, rows: list[int]) -> None:
-        """Mask `logits[rows[i]]` in place with bitmask row `rows[i]` (bitmask rows are indexed like logits rows)."""
-        if not rows:
+    def apply(self, logits: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
             return
         if self.cuda and logits.stride(-1) == 1:
-            self._apply_cuda(logits, rows)
+            self._apply_cuda(logits, pairs)
             return
-        n = len(rows)
-        if rows == list(range(n)):  # the first n rows (e.g. every row constrained): mask in place, no copies
-            apply_bitmask(logits[:n], self.bitmask[:n].to(logits.device))
+        n = len(pairs)
+        rows = [r for r, _ in pairs]
+        slots = [s for _, s in pairs]
+        masks = self.bitmask[:n] if slots == list(range(n)) else self.bitmask[torch.tensor(slots)]
+        masks = masks.to(logits.device)
+        if rows == list(range(n)):  # the first n rows (e.g. every row constrained): mask in place
+            apply_bitmask(logits[:n], masks)
             return
-        idx = torch.tensor(rows, dtype=torch.long)
-        idx_dev = idx.to(logits.device)
-        sub = logits[idx_dev]
-        apply_bitmask(sub, self.bitmask[idx].to(logits.device))
-        logits[idx_dev] = sub
+        idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        sub = logits[idx]
+        apply_bitmask(sub, masks)
+        logits[idx] = sub
 
-    def _apply_cuda(self, logits: torch.Tensor, rows: list[int]) -> None:
+    def _apply_cuda(self, logits: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         from gramserve.sampling.bitmask_kernel import apply_masks
 
         k = self._next
         self._next = (k + 1) % RING
         if self._copied[k] is not None:
-            self._copied[k].synchronize()  # the copy that last read this buffer (RING uses ago) has run
-        n = len(rows)
-        staged = self._staging[k][:n]
-        idx = torch.tensor(rows, dtype=torch.long)
-        staged[:, 0] = idx
-        # Every row constrained (the common case): a slice copy instead of a gather.
-        staged[:, 1:] = self.bitmask[:n] if rows == list(range(n)) else self.bitmask[idx]
-        masks = self._masks[:n]
-        masks.copy_(staged, non_blocking=True)
+            self._copied[k].synchronize()  # the copies that last read these buffers have run (long done)
+        n = len(pairs)
+        used = max(s for _, s in pairs) + 1
+        staged = self._pairs[k][:n]
+        staged.copy_(torch.tensor(pairs, dtype=torch.int32))
+        source = self.bitmask[:used]
+        if self._staging is not None:
+            previous = self._copied[(k - 1) % RING]
+            if previous is not None:
+                previous.synchronize()  # one staging buffer: the last copy out of it has run
+            source = self._staging[:used]
+            source.copy_(self.bitmask[:used])
+        self._masks[:used].copy_(source, non_blocking=True)
+        self._pairs_dev[:n].copy_(staged, non_blocking=True)
         event = self._copied[k] or torch.cuda.Event()
         event.record()
         self._copied[k] = event
-        apply_masks(logits, masks, covered=min(logits.shape[-1], self.bitmask.shape[1] * 32))
+        apply_masks(logits, self._masks, self._pairs_dev[:n], covered=min(logits.shape[-1], self.bitmask.shape[1] * 32))

@@ -1,12 +1,22 @@
 """The scheduler's side of the GrammarBackend process.
 
-Per step: `begin_step` sends last step's accepted tokens and this step's rows to fill, before the forward;
-`finish_step` waits for the fill after the forward, so mask filling overlaps the model. Compile results
-arrive asynchronously and are collected with `poll_compiles`.
+Each constrained request owns one bitmask row (its *slot*) while it runs. A grammar step asks the process to
+accept tokens and fill slots; `wait` collects the answers (in order) before the masks are applied.
+
+Two ways a slot gets its next mask:
+* a fill asked for by the scheduler (`begin_step`), with the accepts the scheduler queued: the plain schedule
+  (asked before the forward), and under overlap for rows without a fresh mask (a new request, a grammar that
+  just started);
+* under overlap, eagerly: `feed` hands the just-sampled ids to the grammar process through the token feed
+  (`grammar/token_feed.py`) and asks it to accept them and refill those requests' slots at once. The mask for
+  the next step then exists before the scheduler has even read the ids itself.
+
+Compile results arrive asynchronously and are collected with `poll_compiles`.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 
@@ -14,7 +24,8 @@ import torch
 import zmq
 
 from gramserve.config import ServerArgs
-from gramserve.grammar.process import attach_bitmask
+from gramserve.grammar.grammar_shm import attach_grammar_shm, page_lock, page_unlock
+from gramserve.grammar.token_feed import FeedWriter
 from gramserve.ipc import GRAMMAR_IN, SCHEDULER_GRAMMAR_IN, pull_socket, push_socket
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
 from gramserve.sampling.grammar_masks import MaskApplier
@@ -31,81 +42,172 @@ class GrammarProcessError(RuntimeError):
 
 class GrammarClient:
     def __init__(self, args: ServerArgs, ctx: zmq.Context):
+        self.args = args
         self.to_grammar = push_socket(ctx, args.ipc_path(GRAMMAR_IN))
         self.inbox = pull_socket(ctx, args.ipc_path(SCHEDULER_GRAMMAR_IN))
-        self._shm, self.bitmask = attach_bitmask(args.grammar_shm, args.max_running_requests, args.vocab_size)
-        self._step = 0
+        self._shared = attach_grammar_shm(args.grammar_shm, args.max_running_requests, args.vocab_size)
+        self.bitmask = self._shared.bitmask
+        self._step = 0  # the last step sent
+        self._answered = 0  # the last step answered
         self._accept: list[tuple[str, int]] = []
         self._free: list[str] = []
         self._compiled: list[GrammarCompileResp] = []
-        self._masks: MaskApplier | None = None  # made on the first apply, for the logits' device
+        self._rejected: set[str] = set()
+        self._slots: dict[str, int] = {}
+        self._free_slots = list(range(self.bitmask.shape[0]))  # a heap: the lowest free slot first
+        self._fresh: dict[str, int] = {}  # rid -> the fed step whose fill holds its next mask
+        self._feed: FeedWriter | None = None
+        self._pinned = False
+        self._masks: MaskApplier | None = None
         # Poll for replies without sleeping (the scheduler sets it on a GPU, where the step is short and cores
         # are many): a round trip through a blocked process cost ~0.7 ms more on the H100 host (docs/benchmarks.md).
         self.busy_poll = False
         # Where constrained steps spend the scheduler's time (ms, cumulative; /get_server_info shows them).
-        self.timing = {"steps": 0, "wait_after_forward_ms": 0.0, "apply_ms": 0.0, "fill_ms": 0.0}
+        # fed_steps: grammar steps whose tokens came through the token feed.
+        self.timing = {"steps": 0, "fed_steps": 0, "wait_after_forward_ms": 0.0, "apply_ms": 0.0, "fill_ms": 0.0}
+
+    def attach(self, device: torch.device, use_feed: bool) -> None:
+        """Bind to the scheduler's device: masks are applied there; `use_feed` turns the token feed on."""
+        cuda = device.type == "cuda"
+        self.busy_poll = cuda
+        # On CUDA the whole segment is page-locked once: the GPU copies masks out of it and ids into it.
+        pinned = self._pinned = cuda and page_lock(self._shared.segment)
+        self._masks = MaskApplier(self.bitmask, device, pinned=pinned)
+        if use_feed and (pinned or not cuda):
+            self._feed = FeedWriter(self._shared.feed, device)
+        elif use_feed:
+            logger.warning("the token feed needs page-locked shared memory; grammar tokens go through the scheduler")
+
+    def close(self) -> None:
+        """Unregister the shared memory from CUDA (needed before it is unmapped, if the process goes on)."""
+        if self._pinned:
+            torch.cuda.synchronize()
+            page_unlock(self._shared.segment)
+            self._pinned = False
+
+    def stop_feed(self) -> None:
+        """Send accepts through the scheduler from now on (benchmarks compare both ways)."""
+        self._feed = None
+        self._fresh.clear()
+
+    @property
+    def feeding(self) -> bool:
+        return self._feed is not None
+
+    @property
+    def slots_in_use(self) -> int:
+        return len(self._slots)
+
+    # --- compiles and request lifetime ------------------------------------------------------------
 
     def compile(self, rid: str, grammar: GrammarRequest) -> None:
         self.to_grammar.send_pyobj(GrammarCompileReq(rid, grammar))
 
-    def accept(self, rid: str, token: int) -> None:
-        self._accept.append((rid, token))
-
-    def free(self, rid: str) -> None:
-        self._free.append(rid)
-
-    def begin_step(self, fill: list[tuple[str, int]]) -> int:
-        self._step += 1
-        self.to_grammar.send_pyobj(GrammarStepReq(self._step, self._accept, fill, self._free,
-                                                  BUSY_POLL_MS if self.busy_poll else 0.0))
-        self._accept, self._free = [], []
-        return self._step
-
-    def flush(self) -> None:
-        """Send pending accepts / frees without waiting (their reply is skipped by finish_step)."""
-        if self._accept or self._free:
-            self.begin_step([])
-
-    def finish_step(self, step: int) -> GrammarStepResp:
-        t0 = time.perf_counter()
-        resp = self._wait_step(step)
-        self.timing["steps"] += 1
-        self.timing["wait_after_forward_ms"] += (time.perf_counter() - t0) * 1e3
-        self.timing["fill_ms"] += resp.fill_ms
-        return resp
-
-    def _wait_step(self, step: int) -> GrammarStepResp:
-        spin_until = time.monotonic() + BUSY_POLL_MS / 1e3 if self.busy_poll else 0.0
-        while True:
-            if time.monotonic() < spin_until:
-                try:
-                    msg = self.inbox.recv_pyobj(zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
-            else:
-                if not self.inbox.poll(STEP_TIMEOUT_MS):
-                    raise GrammarProcessError(f"no mask from the grammar process for step {step}")
-                msg = self.inbox.recv_pyobj()
-            if isinstance(msg, GrammarCompileResp):
-                self._compiled.append(msg)
-            elif isinstance(msg, GrammarStepResp) and msg.step == step:
-                return msg
-
     def poll_compiles(self) -> list[GrammarCompileResp]:
-        while True:
-            try:
-                msg = self.inbox.recv_pyobj(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if isinstance(msg, GrammarCompileResp):
-                self._compiled.append(msg)
+        while self._receive(block=False):
+            pass
         out, self._compiled = self._compiled, []
         return out
 
-    def apply(self, logits: torch.Tensor, rows: list[int]) -> None:
-        """Mask `logits[rows]` in place with the bitmask rows of the same index."""
+    def slot(self, rid: str) -> int:
+        """The request's bitmask row (taken on first use, kept until `release_slot`)."""
+        slot = self._slots.get(rid)
+        if slot is None:
+            slot = self._slots[rid] = heapq.heappop(self._free_slots)
+        return slot
+
+    def release_slot(self, rid: str) -> None:
+        """The request stopped running (finished or retracted): its row may go to another request."""
+        slot = self._slots.pop(rid, None)
+        if slot is not None:
+            heapq.heappush(self._free_slots, slot)
+        self._fresh.pop(rid, None)
+
+    def free(self, rid: str) -> None:
+        """The request is done: drop its matcher."""
+        self.release_slot(rid)
+        self._rejected.discard(rid)
+        self._free.append(rid)
+
+    # --- steps ----------------------------------------------------------------------------------
+
+    def accept(self, rid: str, token: int) -> None:
+        self._accept.append((rid, token))
+
+    def fresh_step(self, rid: str) -> int | None:
+        """The step whose eager fill holds this request's next mask, or None if it needs a fill."""
+        return self._fresh.get(rid)
+
+    def begin_step(self, fill: list[tuple[str, int]]) -> int:
+        """Send the queued accepts and frees, and ask for `fill` ((rid, slot) pairs); returns the step."""
+        return self._send(fill, [])
+
+    def _send(self, fill: list[tuple[str, int]], fed: list[tuple[str, int]]) -> int:
+        self._step += 1
+        self.to_grammar.send_pyobj(GrammarStepReq(self._step, self._accept, fill, self._free,
+                                                  BUSY_POLL_MS if self.busy_poll else 0.0, fed))
+        self._accept, self._free = [], []
+        return self._step
+
+    def feed(self, token_ids: torch.Tensor, rows: list[tuple[str, int]]) -> bool:
+        """Overlap: hand this step's sampled ids (device tensor; `rows` = (rid, position)) to the grammar process
+        and have it refill those requests' slots. False: no feed (the caller queues accepts as before)."""
+        if not rows:
+            return True
+        if self._feed is None or not self._feed.publish(self._step + 1, token_ids):
+            for rid, _ in rows:
+                self._fresh.pop(rid, None)
+            return False
+        step = self._send([(rid, self._slots[rid]) for rid, _ in rows], rows)
+        self.timing["fed_steps"] += 1
+        for rid, _ in rows:
+            self._fresh[rid] = step
+        return True
+
+    def flush(self) -> None:
+        """Send pending accepts / frees without waiting (their answer is collected by a later `wait`)."""
+        if self._accept or self._free:
+            self.begin_step([])
+
+    def wait(self, step: int) -> None:
+        """Wait until every step up to `step` is answered (answers come in order)."""
         t0 = time.perf_counter()
-        if self._masks is None:
-            self._masks = MaskApplier(self.bitmask, logits.device)
-        self._masks.apply(logits, rows)
+        spin_until = time.monotonic() + BUSY_POLL_MS / 1e3 if self.busy_poll else 0.0
+        while self._answered < step:
+            if time.monotonic() < spin_until:
+                self._receive(block=False)
+            elif not self._receive(block=True):
+                raise GrammarProcessError(f"no mask from the grammar process for step {step}")
+        self.timing["wait_after_forward_ms"] += (time.perf_counter() - t0) * 1e3
+
+    def take_rejected(self, rids) -> set[str]:
+        """Which of `rids` had a token refused by their grammar (an internal error) since last asked."""
+        hit = self._rejected.intersection(rids)
+        self._rejected -= hit
+        return hit
+
+    def _receive(self, block: bool) -> bool:
+        """Handle one message; False if none came (within the step timeout when blocking)."""
+        if block and not self.inbox.poll(STEP_TIMEOUT_MS):
+            return False
+        try:
+            msg = self.inbox.recv_pyobj(0 if block else zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        if isinstance(msg, GrammarCompileResp):
+            self._compiled.append(msg)
+        elif isinstance(msg, GrammarStepResp):
+            self._on_step(msg)
+        return True
+
+    def _on_step(self, resp: GrammarStepResp) -> None:
+        self._answered = max(self._answered, resp.step)
+        self._rejected.update(resp.rejected)
+        self.timing["steps"] += 1
+        self.timing["fill_ms"] += resp.fill_ms
+
+    def apply(self, logits: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """Mask `logits[row]` in place with bitmask row `slot`, for each (row, slot)."""
+        t0 = time.perf_counter()
+        self._masks.apply(logits, pairs)
         self.timing["apply_ms"] += (time.perf_counter() - t0) * 1e3

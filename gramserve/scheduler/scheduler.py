@@ -7,9 +7,9 @@ Overlap schedule (default on CUDA): a step launches its forward, then reads the 
 (finish checks, grammar accepts, detokenizer hand-off) while the GPU computes, and only then launches its own
 sampling. Decode inputs are gathered on the device from `last_tokens`, so a batch can be built before its
 input tokens reach the host. A request that finished in step N still runs in step N+1; that row is dropped.
-Constrained rows: this step's masks depend on the tokens just read, so the grammar process is asked for them
-as soon as those tokens reach the host, before the scheduler's own per-request bookkeeping, which then runs
-while the masks are filled.
+Constrained rows: this step's masks depend on the previous step's tokens. The sampler hands those tokens to
+the grammar process itself (the token feed, `grammar/token_feed.py`), which accepts them and fills the next
+masks while the scheduler launches the next forward and does its own bookkeeping.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -48,15 +48,15 @@ class _Forward:
     reqs: list[Req]  # one logits row each
     sampling: list[Req]  # those that sample a token this step
     logits: torch.Tensor
-    grammar: list[_GrammarFill]  # mask fills asked for (plain schedule: before the forward)
+    grammar: _Masks | None  # plain schedule: the masks asked for before the forward
 
 
 @dataclass
-class _GrammarFill:
-    """One grammar-process step: which logits rows (by request) it fills."""
+class _Masks:
+    """The grammar masks of one step: wait for grammar step `step`, then mask each (logits row, slot)."""
 
-    step: int
-    rows: list[tuple[str, int]]  # (rid, logits row)
+    step: int = 0
+    pairs: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -65,6 +65,7 @@ class _Sampled:
 
     reqs: list[Req]  # in result-row order
     pending: PendingSample
+    fed: bool = False  # the constrained rows' ids went to the grammar process through the token feed
 
 
 class StepPhases:
@@ -121,7 +122,7 @@ class Scheduler:
         self.cache = RadixCache(self.allocator, disabled=args.disable_radix_cache)
         self.overlap = use_overlap(args.overlap_schedule, self.device)
         if grammar is not None:
-            grammar.busy_poll = self.device.type == "cuda"
+            grammar.attach(self.device, use_feed=self.overlap)
         # The last sampled token of each request row, written on the device by sampling, read by decode.
         self.last_tokens = torch.zeros(args.max_running_requests, dtype=torch.long, device=self.device)
         self.inflight: _Sampled | None = None  # overlap: the previous step, not yet read back
@@ -194,10 +195,15 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         """Give a request's KV back: computed tokens go into the prefix cache, duplicates are freed."""
+        if self.grammar is not None:
+            self.grammar.release_slot(req.rid)
         if req.req_pool_idx is None:
             return
         slots = self.req_pool.slots(req.req_pool_idx, req.kv_len)
-        already = self.cache.insert(req.fill_ids[:req.kv_len], slots) if req.kv_len else 0
+        computed = min(req.kv_len, len(req.fill_ids))  # K/V past fill_ids: a step whose token never came
+        self.allocator.free(slots[computed:])
+        slots = slots[:computed]
+        already = self.cache.insert(req.fill_ids[:computed], slots) if computed else 0
         dup_end = max(already, req.prefix_len)
         self.allocator.free(slots[req.prefix_len:dup_end])  # our own copies of what the tree already had
         if self.cache.disabled:
@@ -359,13 +365,14 @@ class Scheduler:
                 sampled = self._read_tokens(pending)
             return self._finish_step(early, sampled)
         prev, self.inflight = self.inflight, None
-        # While the GPU runs this step's forward: read the previous step's tokens, ask for this step's masks
-        # at once, and do the bookkeeping while the grammar process fills them.
+        # While the GPU runs this step's forward: read the previous step's tokens and do the bookkeeping. The
+        # grammar process refills the masks of constrained rows meanwhile (token feed); rows without a refilled
+        # mask (new requests) are asked for at once, before the bookkeeping.
         result = self._wait_tokens(prev)
-        grammar, not_started = self._begin_grammar(fwd) if fwd is not None else ([], [])
+        grammar, not_started = self._begin_grammar(fwd) if fwd is not None else (None, [])
         sampled = self._record_tokens(prev, result)
         # Requests whose grammar started with the token just recorded (start_after) need their masks too.
-        grammar += self._begin_grammar_rows([(r.rid, i) for r, i in not_started if r.constrained])
+        grammar = self._masks_for([(i, r) for i, r in not_started if r.constrained], grammar)
         out = self._finish_step(early, sampled)
         if fwd is not None:
             self.inflight = self._launch_sampling(fwd, grammar)
@@ -395,22 +402,23 @@ class Scheduler:
             # Only requests whose whole prompt is now in the cache sample a token.
             sampling = [r for r in reqs if r.kv_len == len(r.fill_ids)]
             self.stats["prompt_tokens"] += sum(batch.extend_seq_lens_cpu)
-        elif self.running:
+        elif any(r.finished is None for r in self.running):
             self._last_was_prefill = False
             if self._available_slots() < len(self.running):
                 self._retract_for(len(self.running))
-            reqs = sampling = list(self.running)
+            # Not those finished since the last step's output (a grammar rejection): they leave `running` next.
+            reqs = sampling = [r for r in self.running if r.finished is None]
             batch = self._decode_batch(reqs)
         else:
             return None
-        grammar: list[_GrammarFill] = []
+        grammar = None
         if not self.overlap:  # every input token is known: masks are filled while the model runs
-            grammar = self._begin_grammar_rows(self._grammar_rows(reqs, sampling))
+            grammar = self._masks_for(self._grammar_rows(reqs, sampling))
         try:
             logits = self.runner.forward(batch)
         except Exception:
-            for g in grammar:
-                self.grammar.finish_step(g.step)
+            if grammar is not None:
+                self.grammar.wait(grammar.step)
             raise
         self.stats["forward_steps"] += 1
         for req in sampling if picked else ():  # their prefill is complete: they decode from now on
@@ -420,31 +428,45 @@ class Scheduler:
                 self.running.append(req)
         return _Forward(reqs, sampling, logits, grammar)
 
-    def _grammar_rows(self, reqs: list[Req], sampling: list[Req]) -> list[tuple[str, int]]:
+    def _grammar_rows(self, reqs: list[Req], sampling: list[Req]) -> list[tuple[int, Req]]:
         samples = {id(r) for r in sampling}  # a set: list membership is quadratic in the batch size
-        return [(r.rid, i) for i, r in enumerate(reqs) if r.constrained and r.finished is None and id(r) in samples]
+        return [(i, r) for i, r in enumerate(reqs) if r.constrained and r.finished is None and id(r) in samples]
 
-    def _begin_grammar_rows(self, rows: list[tuple[str, int]]) -> list[_GrammarFill]:
-        return [_GrammarFill(self.grammar.begin_step(rows), rows)] if rows else []
+    def _masks_for(self, rows: list[tuple[int, Req]], masks: _Masks | None = None) -> _Masks | None:
+        """Masks for these (logits row, request) pairs, added to `masks`: a request whose slot the token feed
+        refills waits for that fill; the others are asked for now (with the accepts queued since the last step)."""
+        if not rows:
+            return masks
+        masks = masks or _Masks()
+        fill = []
+        for i, r in rows:
+            slot = self.grammar.slot(r.rid)
+            masks.pairs.append((i, slot))
+            fresh = self.grammar.fresh_step(r.rid)
+            if fresh is None:
+                fill.append((r.rid, slot))
+            else:
+                masks.step = max(masks.step, fresh)
+        if fill:
+            masks.step = max(masks.step, self.grammar.begin_step(fill))
+        return masks
 
-    def _begin_grammar(self, fwd: _Forward) -> tuple[list[_GrammarFill], list[tuple[Req, int]]]:
-        """Overlap: ask for the masks of this step's constrained rows (the previous tokens' accepts go along).
-        Rows of requests that finish with the token being recorded are filled too, and then dropped.
-        Also returns the (request, row) pairs whose grammar has not started yet (waiting for `start_after`)."""
+    def _begin_grammar(self, fwd: _Forward) -> tuple[_Masks | None, list[tuple[int, Req]]]:
+        """Overlap: the masks of this step's constrained rows (refilled through the token feed, or asked for now).
+        Rows of requests that finish with the token being recorded get masks too, and are then dropped.
+        Also returns the (row, request) pairs whose grammar has not started yet (waiting for `start_after`)."""
         samples = {id(r) for r in fwd.sampling}
         rows, not_started = [], []
         for i, r in enumerate(fwd.reqs):
             if r.grammar is not None and r.finished is None and id(r) in samples:
-                if r.constrained:
-                    rows.append((r.rid, i))
-                else:
-                    not_started.append((r, i))
-        return self._begin_grammar_rows(rows), not_started
+                (rows if r.constrained else not_started).append((i, r))
+        return self._masks_for(rows), not_started
 
-    def _launch_sampling(self, fwd: _Forward, grammar: list[_GrammarFill]) -> _Sampled:
-        """Apply grammar masks and queue sampling; the sampled ids go to `last_tokens` on the device."""
-        for g in grammar:
-            self._apply_grammar(fwd.logits, fwd.reqs, g)
+    def _launch_sampling(self, fwd: _Forward, grammar: _Masks | None) -> _Sampled:
+        """Apply grammar masks and queue sampling; the sampled ids go to `last_tokens` on the device (and, under
+        overlap, the constrained rows' ids to the grammar process)."""
+        if grammar is not None:
+            self._apply_grammar(fwd, grammar)
         samples = {id(r) for r in fwd.sampling}
         # Rows of requests that finished meanwhile (overlap, aborts, grammar errors) are dropped.
         rows = [i for i, r in enumerate(fwd.reqs) if id(r) in samples and r.finished is None]
@@ -455,7 +477,10 @@ class Scheduler:
         want_lp = [r.top_logprobs if r.return_logprob else -1 for r in reqs]
         pending = self.sampler.launch(logits, [r.sampling_row() for r in reqs], max(want_lp))
         self.last_tokens[self._to_device([r.req_pool_idx for r in reqs])] = pending.token_ids
-        return _Sampled(reqs, pending)
+        fed = False
+        if self.grammar is not None and self.grammar.feeding:
+            fed = self.grammar.feed(pending.token_ids, [(r.rid, pos) for pos, r in enumerate(reqs) if r.constrained])
+        return _Sampled(reqs, pending, fed)
 
     def _read_tokens(self, sampled: _Sampled) -> list[Req]:
         """Wait for a step's sampled tokens and record them (plain schedule)."""
@@ -468,7 +493,7 @@ class Scheduler:
             return None
         result = sampled.pending.resolve()
         self.phases.lap("wait_tokens")
-        if self.grammar is not None:
+        if self.grammar is not None and not sampled.fed:
             for req, tok in zip(sampled.reqs, result.token_ids):
                 # A request that finishes with this token is accepted too (its matcher is freed next).
                 if req.finished is None and req.constrained:
@@ -494,15 +519,15 @@ class Scheduler:
         self.phases.lap("record_tokens")
         return got
 
-    def _apply_grammar(self, logits: torch.Tensor, reqs: list[Req], fill: _GrammarFill) -> None:
-        resp = self.grammar.finish_step(fill.step)
-        rejected = set(resp.rejected)
-        for req in reqs:
+    def _apply_grammar(self, fwd: _Forward, masks: _Masks) -> None:
+        self.grammar.wait(masks.step)
+        rejected = self.grammar.take_rejected(r.rid for r in fwd.reqs)
+        for req in fwd.reqs:
             if req.rid in rejected and req.finished is None:
                 req.finished = FinishReason("abort", message="the grammar rejected a token (internal error)",
                                             status_code=500)
                 self.finished_early.append(req)  # reported by the next step's output
-        self.grammar.apply(logits, [row for _, row in fill.rows])
+        self.grammar.apply(fwd.logits, masks.pairs)
 
     def _output(self, reqs: list[Req]) -> BatchTokenOut:
         out = BatchTokenOut([], [], [], [], [], [], [], [], [])
@@ -585,6 +610,7 @@ class Scheduler:
             "num_grammar_compiling": len(self.grammar_wait),
             "stats": dict(self.stats),
             "grammar_timing": dict(self.grammar.timing) if self.grammar is not None else {},
+            "grammar_slots_in_use": self.grammar.slots_in_use if self.grammar is not None else 0,
             "step_phases_ms": self.phases.snapshot(),
         }
 

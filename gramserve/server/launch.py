@@ -21,7 +21,8 @@ import uvicorn
 
 from gramserve.config import ServerArgs
 from gramserve.detokenizer.process import run_detokenizer_process
-from gramserve.grammar.process import create_bitmask_shm, run_grammar_process
+from gramserve.grammar.grammar_shm import create_grammar_shm
+from gramserve.grammar.process import run_grammar_process
 from gramserve.model.loader import default_tokenizer_dir, load_config_dict, resolve_model
 from gramserve.model.model_config import ModelConfig
 from gramserve.scheduler.scheduler import run_scheduler_process
@@ -115,7 +116,7 @@ def launch_server(args: ServerArgs) -> int:
             eos.add(tokenizer.eos_token_id)
         args.eos_token_ids = tuple(sorted(eos))
         args.tool_call_parser, args.grammar_text_tokens = resolve_parsers(args, tokenizer)
-        shm = create_bitmask_shm(args.max_running_requests, args.vocab_size)
+        shm = create_grammar_shm(args.max_running_requests, args.vocab_size)
         args.grammar_shm = shm.name
         pipes = {}
         for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process),
