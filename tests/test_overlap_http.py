@@ -5,6 +5,7 @@ calls, streaming; and aborts and finished requests give their KV memory back."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 
 import httpx
@@ -24,6 +25,16 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 @pytest.fixture(scope="module")
 def overlap_url(tmp_path_factory):
     srv = start_server(str(tmp_path_factory.mktemp("overlap")), "--overlap-schedule", "on")
+    yield srv.base_url
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tight_overlap_url(tmp_path_factory):
+    """The overlap loop with the session's tight limits (tests/conftest.py: tight_server): retractions happen."""
+    srv = start_server(str(tmp_path_factory.mktemp("tight-overlap")), "--overlap-schedule", "on",
+                       "--kv-cache-memory-gb", "0.02", "--context-length", "512", "--chunked-prefill-size", "64",
+                       "--kv-reserve-ratio", "0")
     yield srv.base_url
     assert srv.stop() == 0, srv.log()[-3000:]
 
@@ -154,3 +165,30 @@ def test_streaming_and_disconnects_free_everything(overlap_url, model_name):
     assert pool["used_slots"] == 0 and pool["free_request_rows"] == pool["max_running_requests"], pool
     info = httpx.get(overlap_url + "/get_server_info").json()
     assert info["num_running"] == 0
+
+
+def test_constrained_requests_retracted_under_overlap(tight_overlap_url, model_name):
+    """More constrained work than the KV pool holds, under overlap: requests are retracted and resumed (their
+    grammar slots are given up and their masks filled again), and each output is exactly what it is alone."""
+    schema = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
+              "required": ["notes"]}
+    url = tight_overlap_url
+
+    def one(i):
+        body = {"model": model_name, "max_tokens": 48, "temperature": 0,
+                "messages": [{"role": "user", "content": f"Write about the number {i}. " * 6}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+        return httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()["choices"][0]
+
+    with concurrent.futures.ThreadPoolExecutor(6) as ex:
+        together = list(ex.map(one, range(6)))
+    info = httpx.get(url + "/get_server_info").json()
+    alone = [one(i) for i in range(6)]
+    assert [c["message"]["content"] for c in together] == [c["message"]["content"] for c in alone]
+    assert info["stats"]["retractions"] > 0, info["stats"]
+    assert info["grammar_timing"]["fed_steps"] > 0
+    for c in together:
+        if c["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(c["message"]["content"]), schema)
+    assert wait_pool_whole(url)["used_slots"] == 0
+    assert httpx.get(url + "/get_server_info").json()["grammar_slots_in_use"] == 0
