@@ -182,6 +182,8 @@ class GrammarClient:
 
     def take_rejected(self, rids) -> set[str]:
         """Which of `rids` had a token refused by their grammar (an internal error) since last asked."""
+        if not self._rejected:  # the normal case: no per-request work
+            return set()
         hit = self._rejected.intersection(rids)
         self._rejected -= hit
         return hit

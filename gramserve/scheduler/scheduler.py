@@ -522,7 +522,7 @@ class Scheduler:
     def _apply_grammar(self, fwd: _Forward, masks: _Masks) -> None:
         self.grammar.wait(masks.step)
         rejected = self.grammar.take_rejected(r.rid for r in fwd.reqs)
-        for req in fwd.reqs:
+        for req in fwd.reqs if rejected else ():
             if req.rid in rejected and req.finished is None:
                 req.finished = FinishReason("abort", message="the grammar rejected a token (internal error)",
                                             status_code=500)
