@@ -58,9 +58,11 @@ class FillPool:
     threads: int = 1
     # Fewer rows of one backend than this are filled row by row: batching them saves microseconds.
     min_batch_rows: int = 4
-    # Fewer rows than this run the batch on one thread: waking a pool of threads costs ~0.1 ms (measured:
-    # xgrammar at 16 rows was 1.6x faster than row by row on one thread, 0.9x on two; docs/benchmarks.md).
-    parallel_rows: int = 32
+    # Fewer rows than this run the batch on one thread (llguidance: row by row): waking a pool of threads costs
+    # ~0.1 ms. Measured (docs/benchmarks.md): xgrammar at 16 rows 1.6x faster than row by row on one thread, 0.9x
+    # on two; on the 16-core GPU host 32 rows took 0.35 / 0.30 / 0.42 ms on 1 / 4 / 8 threads, 256 rows
+    # 2.5 / 1.3 / 1.2 ms; llguidance gained nothing from its executor at 64 rows.
+    parallel_rows: int = 64
     _executors: dict[tuple[str, int], object] = field(default_factory=dict, repr=False)
 
     def batched(self, rows: int) -> bool:

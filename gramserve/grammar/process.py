@@ -1,14 +1,16 @@
 """The GrammarBackend process: serves compile and per-step mask requests from the scheduler.
 
 Masks are written into a shared-memory bitmask ([max_running_requests, ceil(vocab / 32)] int32, bit set =
-token allowed; `grammar_shm.py`) that the scheduler reads after its forward: no mask bytes cross the socket. Under the overlap
-schedule the tokens to accept come through the token feed (`token_feed`), straight from the sampler.
+token allowed; `grammar_shm.py`) that the scheduler reads after its forward: no mask bytes cross the socket.
+Under the overlap schedule the tokens to accept come through the token feed (`token_feed`), straight from the
+sampler.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+
 import torch
 import zmq
 
@@ -75,7 +77,7 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> Non
         shared.close()
 
 
-def handle(service: GrammarService, msg, to_scheduler: zmq.Socket, feed: FeedReader | None = None) -> None:
+def handle(service: GrammarService, msg, to_scheduler: zmq.Socket, feed: FeedReader) -> None:
     if isinstance(msg, GrammarStepReq):
         try:
             if msg.fed:

@@ -487,8 +487,8 @@ class Scheduler:
         return self._record_tokens(sampled, self._wait_tokens(sampled))
 
     def _wait_tokens(self, sampled: _Sampled | None) -> SampleResult | None:
-        """Wait for a step's sampled ids on the host; the grammar accepts of constrained rows go out with the
-        next grammar step."""
+        """Wait for a step's sampled ids on the host. Unless they went through the token feed, the constrained
+        rows' accepts are queued for the next grammar step."""
         if sampled is None or not sampled.reqs:
             return None
         result = sampled.pending.resolve()
@@ -651,7 +651,6 @@ def default_num_threads(device: torch.device | None = None) -> int:
     # small machine a contended core slows every matmul several-fold.
     cores = len(os.sched_getaffinity(0))
     return max(1, cores - 1) if cores <= 4 else cores - 2
-
 
 
 def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket) -> None:

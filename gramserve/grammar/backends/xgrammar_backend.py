@@ -58,8 +58,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PARALLEL_ROWS = 64  # xgrammar batch fills of fewer rows run on one thread
-
 
 class XGrammarMatcher(Matcher):
     def __init__(self, compiled: xgr.CompiledGrammar, eos: list[int], text_vocab: int, vocab_size: int):
@@ -103,9 +101,7 @@ class XGrammarMatcher(Matcher):
             matchers, live_rows = live.setdefault(m._vocab_size, ([], []))
             matchers.append(m._m)
             live_rows.append(row)
-        # Below PARALLEL_ROWS one thread is as fast: on the 16-core GPU host 32 rows took 0.35 / 0.30 / 0.42 ms
-        # on 1 / 4 / 8 threads, 256 rows 2.5 / 1.3 / 1.2 ms (docs/benchmarks.md).
-        threads = pool.threads_for(len(rows)) if len(rows) >= PARALLEL_ROWS else 1
+        threads = pool.threads_for(len(rows))
         batch = pool.executor("xgrammar", threads, xgr.BatchGrammarMatcher)
         for vocab_size, (matchers, live_rows) in live.items():
             check_bitmask(bitmask, vocab_size)
