@@ -549,9 +549,9 @@ def main() -> None:
     p.add_argument("--hf-requests", type=int, default=128)
     p.add_argument("--attention-backends", default="torch,flashinfer,triton")
     p.add_argument("--attention-backend", default="auto", help="the engine's backend")
-    p.add_argument("--max-running-requests", type=int, default=1024)
-    p.add_argument("--chunked-prefill-size", type=int, default=8192)
-    p.add_argument("--cuda-graph-max-bs", type=int, default=512)
+    p.add_argument("--max-running-requests", type=int, default=None, help="default: the server's for the device")
+    p.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the server's for the device")
+    p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="default: the server's for the device")
     p.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--compare-plain", action="store_true",
                    help="also run decode b1 and throughput with the overlap schedule off (rows '<model> plain')")
@@ -599,6 +599,7 @@ def main() -> None:
         hf_out = round(statistics.mean(n for _, n in reqs))
         engine_kw = dict(attention_backend=args.attention_backend, max_running_requests=args.max_running_requests,
                          chunked_prefill_size=args.chunked_prefill_size, cuda_graph_max_bs=args.cuda_graph_max_bs)
+        engine_kw = {k: v for k, v in engine_kw.items() if v is not None}  # the rest: ServerArgs' device defaults
         if args.compare_plain:
             plain = Engine(model_json, args.assets, grammar=False, overlap_schedule="off", **engine_kw)
             if "decode" not in skip:
@@ -612,7 +613,9 @@ def main() -> None:
         eng = Engine(model_json, args.assets, grammar=name in args.grammar_models.split(","),
                      overlap_schedule=args.overlap_schedule, **engine_kw)
         RESULTS.setdefault("engine", {})[name] = {"start_s": eng.start_seconds, **eng.info.__dict__,
-                                                  "hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"]}
+                                                  "hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
+                                                  "max_running_requests": eng.args.max_running_requests,
+                                                  "chunked_prefill_size": eng.args.chunked_prefill_size}
         log.info("engine %s: %s", name, RESULTS["engine"][name])
         if "decode" not in skip:
             bench_decode_b1(eng, name, bw)

@@ -8,6 +8,33 @@ import os
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True)
+class DeviceDefaults:
+    """Batch-size settings that depend on the device, used where the command line leaves them out."""
+
+    max_running_requests: int
+    chunked_prefill_size: int
+    cuda_graph_max_bs: int
+
+
+DEVICE_DEFAULTS = {
+    # 2-core CI machines: small prefill chunks keep decode steps flowing between them.
+    "cpu": DeviceDefaults(max_running_requests=256, chunked_prefill_size=512, cuda_graph_max_bs=256),
+    # H100-class: measured in benchmarks/bench_gpu.py (docs/benchmarks.md). The 8B's 1,000-request run keeps ~1,000
+    # requests running at its peak; decode graphs up to 1,024 beat eager steps above 512 (27 vs 33 ms a step).
+    "cuda": DeviceDefaults(max_running_requests=1024, chunked_prefill_size=8192, cuda_graph_max_bs=1024),
+}
+
+
+def device_kind(device: str) -> str:
+    """'cuda' or 'cpu' for a --device value ('auto': cuda when torch sees a GPU)."""
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if device.startswith("cuda") else "cpu"
+
+
 @dataclass
 class ServerArgs:
     model_path: str | None = None  # GGUF file, HF-format folder, or config.json for dummy weights
@@ -22,14 +49,15 @@ class ServerArgs:
     context_length: int | None = None  # defaults to the model's max_position_embeddings
     kv_cache_memory_gb: float | None = None  # KV pool budget; default: a share of free memory
     mem_fraction_static: float = 0.85  # GPU: fraction of device memory for weights + KV
-    cuda_graph_max_bs: int = 256  # GPU: decode batches up to this size replay captured CUDA graphs
+    # None: the device's default (DEVICE_DEFAULTS), set when the arguments are made.
+    cuda_graph_max_bs: int | None = None  # GPU: decode batches up to this size replay captured CUDA graphs
     disable_cuda_graph: bool = False
     # auto: on for CUDA (the CPU work of step N+1 runs while the GPU computes step N), off on CPU, where the
     # forward is synchronous and overlapping only costs one wasted token per finishing request.
     overlap_schedule: str = "auto"  # auto | on | off
-    max_running_requests: int = 256
+    max_running_requests: int | None = None
     max_prefill_tokens: int = 8192  # tokens in one prefill step
-    chunked_prefill_size: int = 512  # long prompts are prefilled in chunks of this many tokens (0: off)
+    chunked_prefill_size: int | None = None  # long prompts are prefilled in chunks of this many tokens (0: off)
     schedule_policy: str = "lpm"  # lpm (longest cached prefix first) | fcfs
     disable_radix_cache: bool = False
     kv_reserve_ratio: float = 0.5  # share of a running request's max_tokens that admission keeps free for it
@@ -58,6 +86,12 @@ class ServerArgs:
     vocab_size: int = 0  # logits width
     eos_token_ids: tuple[int, ...] = ()
     grammar_text_tokens: tuple[str, ...] = ()  # tool-call / reasoning markers grammars may match as one token
+
+    def __post_init__(self):
+        defaults = DEVICE_DEFAULTS[device_kind(self.device)]
+        for name in ("max_running_requests", "chunked_prefill_size", "cuda_graph_max_bs"):
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(defaults, name))
 
     @property
     def model_name(self) -> str:
@@ -95,17 +129,24 @@ class ServerArgs:
         parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
         parser.add_argument("--mem-fraction-static", type=float, default=defaults.mem_fraction_static,
                             help="GPU: share of device memory for weights + KV pool (activations come out of the rest)")
-        parser.add_argument("--cuda-graph-max-bs", type=int, default=defaults.cuda_graph_max_bs)
+        parser.add_argument("--cuda-graph-max-bs", type=int, default=None,
+                            help=f"largest decode batch replayed as a CUDA graph (default: "
+                                 f"{DEVICE_DEFAULTS['cuda'].cuda_graph_max_bs})")
         parser.add_argument("--disable-cuda-graph", action="store_true")
         parser.add_argument("--overlap-schedule", default=defaults.overlap_schedule, choices=["auto", "on", "off"],
                             help="prepare step N+1 on the CPU while the GPU runs step N (auto: on for CUDA)")
         parser.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const",
                             const="off", help="same as --overlap-schedule off")
-        parser.add_argument("--max-running-requests", type=int, default=defaults.max_running_requests)
+        parser.add_argument("--max-running-requests", type=int, default=None,
+                            help=f"requests decoded together (default: {DEVICE_DEFAULTS['cuda'].max_running_requests} "
+                                 f"on CUDA, {DEVICE_DEFAULTS['cpu'].max_running_requests} on CPU)")
         parser.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens)
         parser.add_argument("--max-queued-requests", type=int, default=None,
                             help="waiting requests beyond this get a 503 with Retry-After")
-        parser.add_argument("--chunked-prefill-size", type=int, default=defaults.chunked_prefill_size)
+        parser.add_argument("--chunked-prefill-size", type=int, default=None,
+                            help=f"prompt tokens prefilled per step, 0: no chunking (default: "
+                                 f"{DEVICE_DEFAULTS['cuda'].chunked_prefill_size} on CUDA, "
+                                 f"{DEVICE_DEFAULTS['cpu'].chunked_prefill_size} on CPU)")
         parser.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=["lpm", "fcfs"])
         parser.add_argument("--disable-radix-cache", action="store_true")
         parser.add_argument("--kv-reserve-ratio", type=float, default=defaults.kv_reserve_ratio)

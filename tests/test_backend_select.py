@@ -1,9 +1,14 @@
-"""CPU-side checks of the GPU path's plumbing: backend choice, graph batch sizes, the greedy fast path."""
+"""CPU-side checks of the GPU path's plumbing: backend choice, device defaults, graph batch sizes, the greedy
+fast path."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
+
+from gramserve.config import DEVICE_DEFAULTS, ServerArgs
 
 from gramserve.model.attention import create_backend, resolve_backend_name
 from gramserve.model.cuda_graph_runner import capture_sizes
@@ -22,6 +27,23 @@ def test_gpu_backends_refuse_cpu(name):
     kv = KVCache(1, 8, 2, 16, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="CUDA"):
         create_backend(name, kv, 4)
+
+
+def test_device_defaults_fill_what_the_command_line_leaves_out():
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    for device in ("cpu", "cuda"):
+        args = ServerArgs.from_cli_args(parser.parse_args(["--device", device]))
+        want = DEVICE_DEFAULTS[device]
+        assert (args.max_running_requests, args.chunked_prefill_size, args.cuda_graph_max_bs) == \
+            (want.max_running_requests, want.chunked_prefill_size, want.cuda_graph_max_bs)
+    given = ServerArgs.from_cli_args(parser.parse_args(
+        ["--device", "cuda", "--max-running-requests", "64", "--chunked-prefill-size", "0", "--cuda-graph-max-bs", "8"]))
+    assert (given.max_running_requests, given.chunked_prefill_size, given.cuda_graph_max_bs) == (64, 0, 8)
+    assert DEVICE_DEFAULTS["cuda"].chunked_prefill_size > DEVICE_DEFAULTS["cpu"].chunked_prefill_size
+    # auto on this machine: whatever torch sees.
+    auto = ServerArgs()
+    assert auto.max_running_requests == DEVICE_DEFAULTS["cuda" if torch.cuda.is_available() else "cpu"].max_running_requests
 
 
 def test_capture_sizes():
