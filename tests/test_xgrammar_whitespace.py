@@ -69,6 +69,22 @@ def test_rewrite_leaves_other_whitespace_rules_alone():
     assert inline_bounded_whitespace(ebnf) == ebnf
 
 
+def test_rewrite_leaves_string_literals_alone(backend, tokenizer):
+    """A schema whose constant text looks like a repetition: the literal stays, the grammar still accepts it."""
+    schema = json.dumps({"type": "object", "properties": {"k": {"enum": ['whitespace{0, 2}', 'a"whitespace_3{0, 2}']}},
+                         "required": ["k"]})
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=2, strict_mode=True))
+    fixed = inline_bounded_whitespace(ebnf)
+    literal_rules = [line for line in ebnf.splitlines() if line.startswith("root_prop_0 ::=")]
+    assert literal_rules and "whitespace{0, 2}" in literal_rules[0]
+    assert literal_rules[0] in fixed.splitlines() and "{0, 2}" not in fixed.replace(literal_rules[0], "")
+    compiled = backend.compile(GrammarSpec("json_schema", schema))
+    for text in ('{"k": "whitespace{0, 2}"}', '{"k":"a\\"whitespace_3{0, 2}"}'):
+        m = xgr.GrammarMatcher(compiled)
+        assert all(m.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False)), text
+        assert m.is_completed()
+
+
 @needs_corpus
 def test_same_masks_as_xgrammar_on_corpus_schemas(backend, tokenizer):
     rng = np.random.default_rng(0)
