@@ -127,3 +127,53 @@ def test_same_masks_as_xgrammar_on_corpus_schemas(backend, tokenizer):
         if schemas == SCHEMAS:
             break
     assert schemas == SCHEMAS and checked > 500
+
+
+PARSERS = ["hermes", "qwen25", "llama3", "mistral", "pythonic", "qwen3_coder", "deepseek_v3", "kimi_k2"]
+
+
+@pytest.mark.parametrize("parser_name", PARSERS)
+def test_tool_call_tags_same_masks_as_xgrammar(backend, tokenizer, parser_name):
+    """Tool-call structural tags (json_schema arguments with the whitespace bound injected): the tag compiled
+    through its printed grammar with the repetitions written out fills the masks xgrammar's own compile fills,
+    along a rendered parallel call and along random walks."""
+    from gramserve.parsers.tool_calls import get_tool_call_parser
+    from gramserve.parsers.tool_calls.base import ToolFunction
+
+    tools = [ToolFunction("get_weather", {"type": "object", "properties": {
+                 "city": {"type": "string"}, "days": {"type": "integer"}, "units": {"enum": ["c", "f"]}},
+                 "required": ["city"]}),
+             ToolFunction("search", {"type": "object", "properties": {
+                 "query": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+                 "required": ["query"]})]
+    parser = get_tool_call_parser(parser_name)(tools)
+    tag = backend._structural_tag_json(json.dumps(parser.structural_tag("required", True)))
+    ebnf = str(xgr.Grammar.from_structural_tag(tag))
+    if '"json_schema"' in tag:  # arguments as JSON with a whitespace bound (pythonic calls have a grammar of their own)
+        assert inline_bounded_whitespace(ebnf) != ebnf
+    ours = backend.compile(GrammarSpec("structural_tag", json.dumps(parser.structural_tag("required", True))))
+    ref = backend.compiler.compile_structural_tag(tag)
+    text = parser.render_calls([("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": "x y", "tags": ["a"]})])
+    vocab = len(tokenizer)
+    bitmask = torch.zeros((2, (vocab + 31) // 32), dtype=torch.int32)
+    a, b = xgr.GrammarMatcher(ours), xgr.GrammarMatcher(ref)
+    steps = 0
+    for tok in tokenizer.encode(text, add_special_tokens=False):
+        assert torch.equal(masks(a, bitmask, 0), masks(b, bitmask, 1)), (parser_name, steps)
+        ok = b.accept_token(tok)
+        assert a.accept_token(tok) == ok
+        steps += 1
+        if not ok:
+            break
+    rng = np.random.default_rng(1)
+    a, b = xgr.GrammarMatcher(ours), xgr.GrammarMatcher(ref)
+    for _ in range(WALK_STEPS):
+        if b.is_terminated():
+            break
+        ref_mask = masks(b, bitmask, 1)
+        assert torch.equal(masks(a, bitmask, 0), ref_mask), parser_name
+        allowed = np.flatnonzero(np.unpackbits(ref_mask.numpy().view(np.uint8), bitorder="little")[:vocab])
+        tok = int(rng.choice(allowed))
+        assert a.accept_token(tok) and b.accept_token(tok)
+        steps += 1
+    assert steps > 20

@@ -13,7 +13,8 @@
   still writes ", " in its built-in rules for untyped arrays/objects, so we patch those two rules
   in the generated EBNF); n -> at most n
   consecutive whitespace characters between JSON tokens (``max_whitespace_cnt``, also injected
-  into json_schema contents of structural tags); None -> any whitespace.
+  into json_schema contents of structural tags), compiled with xgrammar's bounded repetitions written
+  out inline (``inline_bounded_whitespace``: same language, much faster fills); None -> any whitespace.
 * JSON Schema keywords (xgrammar 0.2.8, probed): enforced: type (also lists), properties, required,
   additionalProperties (false or a schema), items, prefixItems, min/maxItems, enum, const (object
   and array consts only in their compact serialization), anyOf, oneOf (as anyOf), $ref/$defs
@@ -186,7 +187,7 @@ class XGrammarBackend(GrammarBackend):
             ebnf = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
             return self.compiler.compile_grammar(ebnf)
         if kind == "structural_tag":
-            return self.compiler.compile_structural_tag(self._structural_tag_json(text))
+            return self._compile_structural_tag(self._structural_tag_json(text))
         raise GrammarCompileError(f"xgrammar: unsupported grammar kind {kind!r}")
 
     def _compile_json(self, schema: str) -> xgr.CompiledGrammar:
@@ -199,6 +200,20 @@ class XGrammarBackend(GrammarBackend):
         if fixed == ebnf:
             return self.compiler.compile_json_schema(schema, **kw)
         return self.compiler.compile_grammar(fixed)
+
+    def _compile_structural_tag(self, tag: str) -> xgr.CompiledGrammar:
+        """With bounded whitespace, the tag's grammar with the whitespace repetitions of its JSON contents written
+        out (tool-call arguments: 2 us a fill instead of 10-235 us next to whitespace). xgrammar's own compile
+        otherwise, and also if its printed grammar does not parse back (it then reports its own error, if any)."""
+        if self.options.max_whitespace is not None and self.options.max_whitespace > 0:
+            try:
+                ebnf = str(xgr.Grammar.from_structural_tag(tag))
+                fixed = inline_bounded_whitespace(ebnf)
+                if fixed != ebnf:
+                    return self.compiler.compile_grammar(fixed)
+            except Exception as e:  # noqa: BLE001 - compile_structural_tag below gives the error or the grammar
+                logger.debug("structural tag through EBNF failed (%s); compiling it as xgrammar does", e)
+        return self.compiler.compile_structural_tag(tag)
 
     def _structural_tag_json(self, text: str) -> str:
         tag = normalize_structural_tag(text)
