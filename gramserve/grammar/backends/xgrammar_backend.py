@@ -192,11 +192,11 @@ class XGrammarBackend(GrammarBackend):
 
     def _compile_json(self, schema: str) -> xgr.CompiledGrammar:
         kw = self._json_kwargs()
-        if kw.get("separators") != (",", ":") and "max_whitespace_cnt" not in kw:
+        compact = kw.get("separators") == (",", ":")
+        if not compact and "max_whitespace_cnt" not in kw:  # nothing to patch in xgrammar's grammar
             return self.compiler.compile_json_schema(schema, **kw)
         ebnf = str(xgr.Grammar.from_json_schema(schema, **kw))
-        fixed = _COMPACT_FIX.sub(r'\1"," basic_', ebnf) if kw.get("separators") == (",", ":") else ebnf
-        fixed = inline_bounded_whitespace(fixed)
+        fixed = inline_bounded_whitespace(_COMPACT_FIX.sub(r'\1"," basic_', ebnf) if compact else ebnf)
         if fixed == ebnf:
             return self.compiler.compile_json_schema(schema, **kw)
         return self.compiler.compile_grammar(fixed)
