@@ -165,12 +165,12 @@ class Engine:
         from gramserve.scheduler.grammar_client import GrammarClient
 
         class TimedGrammarClient(GrammarClient):
-            fill_ms: list[float] = []
+            fill_ms: dict[int, float] = {}  # step -> the slowest shard's accept + fill time
 
             def _on_step(self, resp):
                 super()._on_step(resp)
                 if resp.fill_ms:
-                    self.fill_ms.append(resp.fill_ms)
+                    self.fill_ms[resp.step] = max(self.fill_ms.get(resp.step, 0.0), resp.fill_ms)
 
         self.args.ipc_dir = tempfile.mkdtemp(prefix="gramserve-bench-")
         self.args.vocab_size = gvocab
@@ -178,14 +178,18 @@ class Engine:
         self._shm = create_grammar_shm(self.args.max_running_requests, gvocab)
         self.args.grammar_shm = self._shm.name
         ctx = mp.get_context("spawn")
-        reader, writer = ctx.Pipe(duplex=False)
-        self._gproc = ctx.Process(target=run_grammar_process, args=(self.args, tokenizer_dir, writer), daemon=True)
-        self._gproc.start()
-        if not reader.poll(180):
-            raise RuntimeError("grammar process did not start")
-        msg = reader.recv()
-        if "error" in msg:
-            raise RuntimeError(msg["error"])
+        self._gprocs = []
+        for shard in range(self.args.grammar_shards):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=run_grammar_process, args=(self.args, tokenizer_dir, writer, shard), daemon=True)
+            proc.start()
+            self._gprocs.append((proc, reader))
+        for proc, reader in self._gprocs:
+            if not reader.poll(180):
+                raise RuntimeError("grammar process did not start")
+            msg = reader.recv()
+            if "error" in msg:
+                raise RuntimeError(msg["error"])
         return TimedGrammarClient(self.args, zmq.Context())
 
     def add(self, prompt: list[int], max_new: int, grammar: bool = False) -> None:
@@ -217,9 +221,9 @@ class Engine:
     def close(self) -> None:
         if self.sched.grammar is not None:
             self.sched.grammar.close()
-        if getattr(self, "_gproc", None) is not None:
-            self._gproc.terminate()
-            self._gproc.join(5)
+        for proc, _ in getattr(self, "_gprocs", []):
+            proc.terminate()
+            proc.join(5)
         del self.sched
         gc.collect()
         if getattr(self, "_shm", None) is not None:
@@ -335,7 +339,9 @@ def bench_subset(eng: Engine, name: str, subset, n_out: int) -> None:
 
 
 @section("grammar")
-def bench_grammar(eng: Engine, name: str, batch_sizes=(1, 32, 256), n_out: int = 96) -> None:
+def bench_grammar(eng: Engine, name: str, batch_sizes=(1, 32, 256), n_out: int = 96, profile: str = "") -> None:
+    """`profile`: a file; the scheduler's host time at the largest batch size, constrained and not, is profiled
+    (cProfile, by own time) into it."""
     rng = random.Random(3)
     out = {}
     eng.add([rng.randrange(100, eng.vocab) for _ in range(32)], 8, grammar=True)  # compile + warm-up
@@ -349,7 +355,21 @@ def bench_grammar(eng: Engine, name: str, batch_sizes=(1, 32, 256), n_out: int =
                 eng.add(p, n_out, grammar=constrained)
             before = eng.sched.phases.snapshot()
             timing_before = dict(eng.sched.grammar.timing)
+            profiler = None
+            if profile and bs == max(batch_sizes):
+                import cProfile
+                profiler = cProfile.Profile()
+                profiler.enable()
             res = eng.run()
+            if profiler is not None:
+                import io
+                import pstats
+                profiler.disable()
+                text = io.StringIO()
+                pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+                with open(profile, "a") as f:
+                    f.write(f"== {name} batch {bs} {'constrained' if constrained else 'unconstrained'}\n"
+                            f"{text.getvalue()}\n")
             row[("constrained" if constrained else "unconstrained") + "_phases_ms_per_step"] = \
                 phases_per_step(before, eng.sched.phases.snapshot())
             full = [s for s in res["steps"] if s[0] == "decode" and s[1] == bs]
@@ -364,7 +384,7 @@ def bench_grammar(eng: Engine, name: str, batch_sizes=(1, 32, 256), n_out: int =
                     for k in ("wait_after_forward_ms", "apply_ms", "fill_ms")}
                 row["fed_steps"] = timing["fed_steps"] - timing_before["fed_steps"]
             if constrained and eng.sched.grammar.fill_ms:
-                row["mask_fill_ms_median"] = statistics.median(eng.sched.grammar.fill_ms)
+                row["mask_fill_ms_median"] = statistics.median(eng.sched.grammar.fill_ms.values())
             row[("constrained" if constrained else "unconstrained") + "_step_ms"] = \
                 1e3 * sum(s[3] for s in use) / max(1, len(use))
         row["ratio"] = row["constrained"] / row["unconstrained"]
@@ -553,12 +573,15 @@ def main() -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the server's for the device")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="default: the server's for the device")
     p.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--grammar-shards", type=int, default=None, help="default: the server's for the device")
     p.add_argument("--compare-plain", action="store_true",
                    help="also run decode b1 and throughput with the overlap schedule off (rows '<model> plain')")
     p.add_argument("--skip", default="", help="comma list of: attention,decode,throughput,hf,grammar")
     p.add_argument("--out", default="bench_gpu.json")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script, numbers meaningless")
     p.add_argument("--grammar-batch-sizes", default="1,32,256")
+    p.add_argument("--profile", default="", help="write a cProfile of the scheduler at the largest grammar batch "
+                                                 "size (constrained and not) into this file")
     p.add_argument("--no-feed-models", default="",
                    help="grammar models whose constrained section also runs without the token feed")
     args = p.parse_args()
@@ -598,7 +621,8 @@ def main() -> None:
         hf_subset = reqs[: args.hf_requests]
         hf_out = round(statistics.mean(n for _, n in reqs))
         engine_kw = dict(attention_backend=args.attention_backend, max_running_requests=args.max_running_requests,
-                         chunked_prefill_size=args.chunked_prefill_size, cuda_graph_max_bs=args.cuda_graph_max_bs)
+                         chunked_prefill_size=args.chunked_prefill_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
+                         grammar_shards=args.grammar_shards)
         engine_kw = {k: v for k, v in engine_kw.items() if v is not None}  # the rest: ServerArgs' device defaults
         if args.compare_plain:
             plain = Engine(model_json, args.assets, grammar=False, overlap_schedule="off", **engine_kw)
@@ -615,7 +639,8 @@ def main() -> None:
         RESULTS.setdefault("engine", {})[name] = {"start_s": eng.start_seconds, **eng.info.__dict__,
                                                   "hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
                                                   "max_running_requests": eng.args.max_running_requests,
-                                                  "chunked_prefill_size": eng.args.chunked_prefill_size}
+                                                  "chunked_prefill_size": eng.args.chunked_prefill_size,
+                                                  "grammar_shards": eng.args.grammar_shards}
         log.info("engine %s: %s", name, RESULTS["engine"][name])
         if "decode" not in skip:
             bench_decode_b1(eng, name, bw)
@@ -626,7 +651,7 @@ def main() -> None:
             bench_subset(eng, name, hf_subset, hf_out)
         grammar_bs = tuple(int(b) for b in args.grammar_batch_sizes.split(","))
         if "grammar" not in skip and name in args.grammar_models.split(","):
-            bench_grammar(eng, name, grammar_bs)
+            bench_grammar(eng, name, grammar_bs, profile=args.profile)
         save(args.out)
         eng.close()
         del eng

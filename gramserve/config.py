@@ -15,15 +15,31 @@ class DeviceDefaults:
     max_running_requests: int
     chunked_prefill_size: int
     cuda_graph_max_bs: int
+    # GrammarBackend processes, each accepting tokens and filling masks for its share of the constrained
+    # requests: at most this many, and one per four cores.
+    max_grammar_shards: int
 
 
 DEVICE_DEFAULTS = {
     # 2-core CI machines: small prefill chunks keep decode steps flowing between them.
-    "cpu": DeviceDefaults(max_running_requests=256, chunked_prefill_size=512, cuda_graph_max_bs=256),
+    # One grammar process: the model's forward needs the cores.
+    "cpu": DeviceDefaults(max_running_requests=256, chunked_prefill_size=512, cuda_graph_max_bs=256,
+                          max_grammar_shards=1),
     # H100-class: measured in benchmarks/bench_gpu.py (docs/benchmarks.md). The 8B's 1,000-request run keeps ~1,000
     # requests running at its peak; decode graphs up to 1,024 beat eager steps above 512 (27 vs 33 ms a step).
-    "cuda": DeviceDefaults(max_running_requests=1024, chunked_prefill_size=8192, cuda_graph_max_bs=1024),
+    # xgrammar's accept and fill hold the GIL and its batch fill starts fresh threads on every call, so one process
+    # does not scale past a few cores: on the 16-core H100 host 256 rows took 2.4 ms a step in one process, 1.3 ms
+    # in each of 4 (the 1B's constrained step: 4.2 -> 3.6 ms); 8 processes slowed the scheduler's own steps.
+    "cuda": DeviceDefaults(max_running_requests=1024, chunked_prefill_size=8192, cuda_graph_max_bs=1024,
+                           max_grammar_shards=8),
 }
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def device_kind(device: str) -> str:
@@ -74,6 +90,8 @@ class ServerArgs:
     grammar_strict_json: bool = True  # xgrammar: no undeclared properties unless the schema allows them explicitly
     # Threads filling one step's masks (auto: half the cores, 1 to 8; 0: row by row, no batching)
     grammar_fill_threads: int | str = "auto"
+    # GrammarBackend processes; each constrained request's matcher lives in one (None: the device's default)
+    grammar_shards: int | None = None
     grammar_max_bytes: int = 256 * 1024  # largest schema / grammar text accepted
     grammar_max_depth: int = 64  # deepest JSON nesting accepted in a schema
     # Function calling and reasoning
@@ -92,6 +110,8 @@ class ServerArgs:
         for name in ("max_running_requests", "chunked_prefill_size", "cuda_graph_max_bs"):
             if getattr(self, name) is None:
                 setattr(self, name, getattr(defaults, name))
+        if self.grammar_shards is None:
+            self.grammar_shards = min(defaults.max_grammar_shards, max(1, available_cores() // 4))
 
     @property
     def model_name(self) -> str:
@@ -164,8 +184,13 @@ class ServerArgs:
                             default=defaults.grammar_strict_json,
                             help="JSON schemas: forbid properties/items the schema does not declare (xgrammar)")
         parser.add_argument("--grammar-fill-threads", type=_threads_arg, default=defaults.grammar_fill_threads,
-                            help="threads filling a step's token masks in the grammar process ('auto': half the "
-                                 "cores, at most 8; 0: one row at a time without the backends' batch APIs)")
+                            help="threads filling a step's token masks in each grammar process ('auto': half the "
+                                 "cores shared among the grammar processes, at most 8; 0: one row at a time "
+                                 "without the backends' batch APIs)")
+        parser.add_argument("--grammar-shards", type=int, default=None,
+                            help="grammar processes sharing the constrained requests (default: 1 on CPU; on CUDA "
+                                 "one per four cores, at most "
+                                 f"{DEVICE_DEFAULTS['cuda'].max_grammar_shards})")
         parser.add_argument("--grammar-max-bytes", type=int, default=defaults.grammar_max_bytes)
         parser.add_argument("--grammar-max-depth", type=int, default=defaults.grammar_max_depth)
         parser.add_argument("--chat-template", default=None,

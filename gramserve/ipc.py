@@ -18,8 +18,12 @@ import zmq.asyncio
 SCHEDULER_IN = "scheduler"
 DETOKENIZER_IN = "detokenizer"
 TOKENIZER_MANAGER_IN = "tokenizer_manager"
-GRAMMAR_IN = "grammar"
 SCHEDULER_GRAMMAR_IN = "scheduler_grammar"  # the scheduler's second inbox: grammar replies only
+
+
+def grammar_inbox(shard: int) -> str:
+    """The inbox of GrammarBackend process `shard` (0 .. ServerArgs.grammar_shards - 1)."""
+    return f"grammar{shard}"
 
 
 def push_socket(ctx: zmq.Context, endpoint: str) -> zmq.Socket:

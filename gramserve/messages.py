@@ -73,6 +73,7 @@ class GrammarStepResp:
     step: int
     rejected: list[str]  # requests whose accepted token the grammar refused
     fill_ms: float = 0.0
+    shard: int = 0  # the grammar process that answered (answers of one shard come in step order)
 
 
 @dataclass

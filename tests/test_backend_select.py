@@ -29,7 +29,7 @@ def test_gpu_backends_refuse_cpu(name):
         create_backend(name, kv, 4)
 
 
-def test_device_defaults_fill_what_the_command_line_leaves_out():
+def test_device_defaults_fill_what_the_command_line_leaves_out(monkeypatch):
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
     for device in ("cpu", "cuda"):
@@ -41,6 +41,15 @@ def test_device_defaults_fill_what_the_command_line_leaves_out():
         ["--device", "cuda", "--max-running-requests", "64", "--chunked-prefill-size", "0", "--cuda-graph-max-bs", "8"]))
     assert (given.max_running_requests, given.chunked_prefill_size, given.cuda_graph_max_bs) == (64, 0, 8)
     assert DEVICE_DEFAULTS["cuda"].chunked_prefill_size > DEVICE_DEFAULTS["cpu"].chunked_prefill_size
+    # Grammar processes: one on CPU; on CUDA one per four cores, at most the cap; as given when given.
+    import gramserve.config as config
+
+    for cores, want_shards in ((2, 1), (16, 4), (64, 8)):
+        monkeypatch.setattr(config, "available_cores", lambda cores=cores: cores)
+        assert ServerArgs(device="cuda").grammar_shards == want_shards
+        assert ServerArgs(device="cpu").grammar_shards == 1
+    monkeypatch.undo()
+    assert ServerArgs.from_cli_args(parser.parse_args(["--device", "cuda", "--grammar-shards", "3"])).grammar_shards == 3
     # auto on this machine: whatever torch sees.
     auto = ServerArgs()
     assert auto.max_running_requests == DEVICE_DEFAULTS["cuda" if torch.cuda.is_available() else "cpu"].max_running_requests

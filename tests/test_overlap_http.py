@@ -1,6 +1,8 @@
 """The overlap schedule (the GPU default) through HTTP on the CPU: a server started with `--overlap-schedule on`
 answers exactly like the plain session server: greedy text and logprobs, seeded sampling, constrained JSON, tool
-calls, streaming; and aborts and finished requests give their KV memory back."""
+calls, streaming; and aborts and finished requests give their KV memory back. The overlap servers run two grammar
+processes (`--grammar-shards 2`, the GPU default is one per two cores), the session server one: constrained
+outputs are the same whichever process holds a request's matcher."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.fixture(scope="module")
 def overlap_url(tmp_path_factory):
-    srv = start_server(str(tmp_path_factory.mktemp("overlap")), "--overlap-schedule", "on")
+    srv = start_server(str(tmp_path_factory.mktemp("overlap")), "--overlap-schedule", "on", "--grammar-shards", "2")
     yield srv.base_url
     assert srv.stop() == 0, srv.log()[-3000:]
 
@@ -33,7 +35,7 @@ def overlap_url(tmp_path_factory):
 def tight_overlap_url(tmp_path_factory):
     """The overlap loop with the session's tight limits (tests/conftest.py: tight_server): retractions happen."""
     srv = start_server(str(tmp_path_factory.mktemp("tight-overlap")), "--overlap-schedule", "on",
-                       "--kv-cache-memory-gb", "0.02", "--context-length", "512", "--chunked-prefill-size", "64",
+                       "--grammar-shards", "2", "--kv-cache-memory-gb", "0.02", "--context-length", "512", "--chunked-prefill-size", "64",
                        "--kv-reserve-ratio", "0")
     yield srv.base_url
     assert srv.stop() == 0, srv.log()[-3000:]
@@ -100,6 +102,9 @@ def test_same_answers_as_the_plain_schedule(base_url, overlap_url, model_name):
     # loop asks for every fill itself.
     fed = [httpx.get(u + "/get_server_info").json()["grammar_timing"]["fed_steps"] for u in (overlap_url, base_url)]
     assert fed[0] > 0 and fed[1] == 0, fed
+    # The constrained requests (n counts each choice) were spread over both grammar processes.
+    placed = httpx.get(overlap_url + "/get_server_info").json()["grammar_requests_per_shard"]
+    assert len(placed) == 2 and min(placed) >= 1, placed
 
 
 def test_many_constrained_streams_with_disconnects(overlap_url, model_name):
@@ -137,7 +142,8 @@ def test_many_constrained_streams_with_disconnects(overlap_url, model_name):
     assert validated >= 4, validated  # the short schemas (enum, boolean object) always close in time
     pool = wait_pool_whole(overlap_url, timeout=60)
     assert pool["used_slots"] == 0, pool
-    assert httpx.get(overlap_url + "/get_server_info").json()["grammar_slots_in_use"] == 0
+    info = httpx.get(overlap_url + "/get_server_info").json()
+    assert info["grammar_slots_in_use"] == 0 and info["grammar_live_requests"] == 0, info
 
 
 def test_streaming_and_disconnects_free_everything(overlap_url, model_name):
@@ -191,4 +197,5 @@ def test_constrained_requests_retracted_under_overlap(tight_overlap_url, model_n
         if c["finish_reason"] == "stop":
             jsonschema.validate(json.loads(c["message"]["content"]), schema)
     assert wait_pool_whole(url)["used_slots"] == 0
-    assert httpx.get(url + "/get_server_info").json()["grammar_slots_in_use"] == 0
+    info = httpx.get(url + "/get_server_info").json()
+    assert info["grammar_slots_in_use"] == 0 and info["grammar_live_requests"] == 0, info

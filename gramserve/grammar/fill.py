@@ -19,12 +19,12 @@ path would have served.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from gramserve.config import available_cores
 from gramserve.grammar.backends.base import Matcher
 
 logger = logging.getLogger(__name__)
@@ -33,18 +33,12 @@ AUTO = "auto"
 MAX_AUTO_THREADS = 8
 
 
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
-def resolve_fill_threads(value: int | str | None) -> int:
-    """``"auto"``/None -> half the cores this process may run on, 1 to 8 (the other half serves the
-    scheduler, HTTP and the compile threads); an int as given; 0 turns batching off."""
+def resolve_fill_threads(value: int | str | None, shards: int = 1) -> int:
+    """``"auto"``/None -> this process's share of half the cores (shared by ``shards`` grammar processes),
+    1 to 8 (the other half serves the scheduler, HTTP and the compile threads); an int as given; 0 turns
+    batching off."""
     if value is None or value == AUTO:
-        return min(MAX_AUTO_THREADS, max(1, available_cores() // 2))
+        return min(MAX_AUTO_THREADS, max(1, available_cores() // 2 // max(1, shards)))
     threads = int(value)
     if threads < 0:
         raise ValueError(f"grammar fill threads must be >= 0 or 'auto', got {value!r}")

@@ -1,5 +1,8 @@
 """The GrammarBackend process: serves compile and per-step mask requests from the scheduler.
 
+There are ``--grammar-shards`` of them; the scheduler's GrammarClient puts each constrained request in one
+(its *shard*), which compiles its grammar, keeps its matcher, accepts its tokens and fills its bitmask row.
+
 Masks are written into a shared-memory bitmask ([max_running_requests, ceil(vocab / 32)] int32, bit set =
 token allowed; `grammar_shm.py`) that the scheduler reads after its forward: no mask bytes cross the socket.
 Under the overlap schedule the tokens to accept come through the token feed (`token_feed`), straight from the
@@ -16,10 +19,11 @@ import zmq
 
 from gramserve.config import ServerArgs
 from gramserve.grammar.backends.base import GrammarOptions
+from gramserve.grammar.fill import resolve_fill_threads
 from gramserve.grammar.grammar_shm import attach_grammar_shm
 from gramserve.grammar.service import GrammarService
 from gramserve.grammar.token_feed import FeedReader
-from gramserve.ipc import GRAMMAR_IN, SCHEDULER_GRAMMAR_IN, exit_when_parent_dies, pull_socket, push_socket
+from gramserve.ipc import SCHEDULER_GRAMMAR_IN, exit_when_parent_dies, grammar_inbox, pull_socket, push_socket
 from gramserve.messages import GrammarCompileReq, GrammarStepReq, GrammarStepResp
 
 logger = logging.getLogger(__name__)
@@ -27,9 +31,11 @@ logger = logging.getLogger(__name__)
 FEED_TIMEOUT_S = 60.0  # a step's ids are due within one forward; this only guards against a dead scheduler
 
 
-def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> None:
-    """Entry point (multiprocessing spawn). args.grammar_shm names the bitmask shared memory."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [grammar] %(levelname)s %(message)s")
+def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard: int = 0) -> None:
+    """Entry point (multiprocessing spawn) of grammar process `shard`. args.grammar_shm names the bitmask shared
+    memory."""
+    name = "grammar" if args.grammar_shards == 1 else f"grammar{shard}"
+    logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s [{name}] %(levelname)s %(message)s")
     exit_when_parent_dies()
     torch.set_num_threads(1)
     try:
@@ -42,14 +48,14 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> Non
         service = GrammarService(tokenizer, args.vocab_size, args.eos_token_ids, options, shared.bitmask,
                                  default_backend=args.grammar_backend,
                                  compile_timeout_s=args.grammar_compile_timeout,
-                                 fill_threads=args.grammar_fill_threads)
+                                 fill_threads=resolve_fill_threads(args.grammar_fill_threads, args.grammar_shards))
         feed = FeedReader(shared.shm.buf, args.max_running_requests)
     except Exception as exc:  # noqa: BLE001 - reported to the launcher
         logger.exception("grammar process failed to start")
         ready_pipe.send({"error": f"{type(exc).__name__}: {exc}"})
         return
     ctx = zmq.Context()
-    inbox = pull_socket(ctx, args.ipc_path(GRAMMAR_IN))
+    inbox = pull_socket(ctx, args.ipc_path(grammar_inbox(shard)))
     to_scheduler = push_socket(ctx, args.ipc_path(SCHEDULER_GRAMMAR_IN))
     ready_pipe.send({"ok": True})
     poller = zmq.Poller()
@@ -65,7 +71,7 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> Non
                         msg = inbox.recv_pyobj(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    handle(service, msg, to_scheduler, feed)
+                    handle(service, msg, to_scheduler, feed, shard)
                     if isinstance(msg, GrammarStepReq) and msg.busy_poll_ms:
                         busy_until = time.monotonic() + msg.busy_poll_ms / 1e3
             for resp in service.poll_compiles():
@@ -77,18 +83,20 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> Non
         shared.close()
 
 
-def handle(service: GrammarService, msg, to_scheduler: zmq.Socket, feed: FeedReader) -> None:
+def handle(service: GrammarService, msg, to_scheduler: zmq.Socket, feed: FeedReader, shard: int = 0) -> None:
     if isinstance(msg, GrammarStepReq):
         try:
             if msg.fed:
                 ids = feed.wait(msg.step, [pos for _, pos in msg.fed], busy=msg.busy_poll_ms > 0,
                                 timeout_s=FEED_TIMEOUT_S)
                 msg.accept = msg.accept + [(rid, tok) for (rid, _), tok in zip(msg.fed, ids)]
-            to_scheduler.send_pyobj(service.step(msg))
+            resp = service.step(msg)
+            resp.shard = shard
+            to_scheduler.send_pyobj(resp)
         except Exception:  # noqa: BLE001 - answer anyway: the scheduler is waiting on this step
             logger.exception("grammar step failed")
             failed = {rid for rid, _ in msg.fill} | {rid for rid, _ in msg.fed}
-            to_scheduler.send_pyobj(GrammarStepResp(msg.step, sorted(failed)))
+            to_scheduler.send_pyobj(GrammarStepResp(msg.step, sorted(failed), shard=shard))
     elif isinstance(msg, GrammarCompileReq):
         resp = service.submit(msg)
         if resp is not None:

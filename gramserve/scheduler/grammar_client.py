@@ -1,7 +1,10 @@
-"""The scheduler's side of the GrammarBackend process.
+"""The scheduler's side of the GrammarBackend processes.
 
-Each constrained request owns one bitmask row (its *slot*) while it runs. A grammar step asks the process to
-accept tokens and fill slots; `wait` collects the answers (in order) before the masks are applied.
+There are `ServerArgs.grammar_shards` grammar processes. Each constrained request is given to one of them (its
+*shard*: the one with the fewest live requests, preferring one that compiled the same grammar lately) when its
+compile is asked for; that process keeps its matcher until `free`. Each constrained request also owns one bitmask
+row (its *slot*) while it runs. A grammar step asks every shard with work in it to accept tokens and fill slots;
+`wait` collects the answers (each shard answers in step order) before the masks are applied.
 
 Two ways a slot gets its next mask:
 * a fill asked for by the scheduler (`begin_step`), with the accepts the scheduler queued: the plain schedule
@@ -19,6 +22,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from collections import OrderedDict, deque
 
 import torch
 import zmq
@@ -26,7 +30,7 @@ import zmq
 from gramserve.config import ServerArgs
 from gramserve.grammar.grammar_shm import attach_grammar_shm, page_lock, page_unlock
 from gramserve.grammar.token_feed import FeedWriter
-from gramserve.ipc import GRAMMAR_IN, SCHEDULER_GRAMMAR_IN, pull_socket, push_socket
+from gramserve.ipc import SCHEDULER_GRAMMAR_IN, grammar_inbox, pull_socket, push_socket
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
 from gramserve.sampling.grammar_masks import MaskApplier
 
@@ -34,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 STEP_TIMEOUT_MS = 60_000
 BUSY_POLL_MS = 20.0  # with busy_poll: how long either side polls without sleeping before it blocks
+RECENT_GRAMMARS = 512  # per shard: grammars remembered as compiled there (its compile cache holds as many)
 
 
 class GrammarProcessError(RuntimeError):
@@ -43,14 +48,20 @@ class GrammarProcessError(RuntimeError):
 class GrammarClient:
     def __init__(self, args: ServerArgs, ctx: zmq.Context):
         self.args = args
-        self.to_grammar = push_socket(ctx, args.ipc_path(GRAMMAR_IN))
+        self.shards = max(1, args.grammar_shards)
+        self.to_grammar = [push_socket(ctx, args.ipc_path(grammar_inbox(i))) for i in range(self.shards)]
         self.inbox = pull_socket(ctx, args.ipc_path(SCHEDULER_GRAMMAR_IN))
         self._shared = attach_grammar_shm(args.grammar_shm, args.max_running_requests, args.vocab_size)
         self.bitmask = self._shared.bitmask
-        self._step = 0  # the last step sent
-        self._answered = 0  # the last step answered
-        self._accept: list[tuple[str, int]] = []
-        self._free: list[str] = []
+        self._step = 0  # the last step number given out
+        self._unanswered: list[deque[int]] = [deque() for _ in range(self.shards)]  # steps sent, per shard
+        self._shard_of: dict[str, int] = {}  # rid -> shard, from its compile until `free`
+        self._load = [0] * self.shards  # live requests per shard
+        self.placed = [0] * self.shards  # requests given to each shard so far (/get_server_info)
+        # Per shard: hashes of the grammars given to it lately (a hint for placement: a collision only moves a request).
+        self._recent: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.shards)]
+        self._accept: list[list[tuple[str, int]]] = [[] for _ in range(self.shards)]
+        self._free: list[list[str]] = [[] for _ in range(self.shards)]
         self._compiled: list[GrammarCompileResp] = []
         self._rejected: set[str] = set()
         self._slots: dict[str, int] = {}
@@ -63,7 +74,8 @@ class GrammarClient:
         # are many): a round trip through a blocked process cost ~0.7 ms more on the H100 host (docs/benchmarks.md).
         self.busy_poll = False
         # Where constrained steps spend the scheduler's time (ms, cumulative; /get_server_info shows them).
-        # fed_steps: grammar steps whose tokens came through the token feed.
+        # fed_steps: grammar steps whose tokens came through the token feed; steps and fill_ms count each shard's
+        # answer (fill_ms: accept + fill time in the grammar processes, summed over shards).
         self.timing = {"steps": 0, "fed_steps": 0, "wait_after_forward_ms": 0.0, "apply_ms": 0.0, "fill_ms": 0.0}
 
     def attach(self, device: torch.device, use_feed: bool) -> None:
@@ -101,7 +113,28 @@ class GrammarClient:
     # --- compiles and request lifetime ------------------------------------------------------------
 
     def compile(self, rid: str, grammar: GrammarRequest) -> None:
-        self.to_grammar.send_pyobj(GrammarCompileReq(rid, grammar))
+        """Give the request to a shard and have that shard compile its grammar."""
+        shard = self._pick_shard(hash((grammar.backend, grammar.kind, grammar.text)))
+        self._shard_of[rid] = shard
+        self._load[shard] += 1
+        self.placed[shard] += 1
+        self.to_grammar[shard].send_pyobj(GrammarCompileReq(rid, grammar))
+
+    def _pick_shard(self, key: int) -> int:
+        """The shard with the fewest live requests; among those, one that compiled this grammar lately (its
+        compile cache likely has it)."""
+        shard = min(range(self.shards), key=lambda i: (self._load[i], key not in self._recent[i], i))
+        recent = self._recent[shard]
+        recent[key] = None
+        recent.move_to_end(key)
+        if len(recent) > RECENT_GRAMMARS:
+            recent.popitem(last=False)
+        return shard
+
+    @property
+    def live_requests(self) -> int:
+        """Requests whose matcher a grammar process holds (compiled or compiling, not yet freed)."""
+        return len(self._shard_of)
 
     def poll_compiles(self) -> list[GrammarCompileResp]:
         while self._receive(block=False):
@@ -127,12 +160,15 @@ class GrammarClient:
         """The request is done: drop its matcher."""
         self.release_slot(rid)
         self._rejected.discard(rid)
-        self._free.append(rid)
+        shard = self._shard_of.pop(rid, None)
+        if shard is not None:  # None: never compiled (it failed before)
+            self._load[shard] -= 1
+            self._free[shard].append(rid)
 
     # --- steps ----------------------------------------------------------------------------------
 
     def accept(self, rid: str, token: int) -> None:
-        self._accept.append((rid, token))
+        self._accept[self._shard_of.get(rid, 0)].append((rid, token))
 
     def fresh_step(self, rid: str) -> int | None:
         """The step whose eager fill holds this request's next mask, or None if it needs a fill."""
@@ -143,10 +179,25 @@ class GrammarClient:
         return self._send(fill, [])
 
     def _send(self, fill: list[tuple[str, int]], fed: list[tuple[str, int]]) -> int:
+        """Step `self._step + 1`: each shard with queued accepts or frees, or rows in `fill` / `fed`, gets its part."""
         self._step += 1
-        self.to_grammar.send_pyobj(GrammarStepReq(self._step, self._accept, fill, self._free,
-                                                  BUSY_POLL_MS if self.busy_poll else 0.0, fed))
-        self._accept, self._free = [], []
+        if self.shards == 1:
+            parts = [(fill, fed)]
+        else:
+            parts = [([], []) for _ in range(self.shards)]
+            for rid, slot in fill:
+                parts[self._shard_of.get(rid, 0)][0].append((rid, slot))
+            for rid, pos in fed:
+                parts[self._shard_of.get(rid, 0)][1].append((rid, pos))
+        busy_poll_ms = BUSY_POLL_MS if self.busy_poll else 0.0
+        for shard, (shard_fill, shard_fed) in enumerate(parts):
+            accept, free = self._accept[shard], self._free[shard]
+            if not (accept or free or shard_fill or shard_fed):
+                continue
+            self.to_grammar[shard].send_pyobj(GrammarStepReq(self._step, accept, shard_fill, free, busy_poll_ms,
+                                                             shard_fed))
+            self._accept[shard], self._free[shard] = [], []
+            self._unanswered[shard].append(self._step)
         return self._step
 
     def feed(self, token_ids: torch.Tensor, rows: list[tuple[str, int]]) -> bool:
@@ -166,14 +217,18 @@ class GrammarClient:
 
     def flush(self) -> None:
         """Send pending accepts / frees without waiting (their answer is collected by a later `wait`)."""
-        if self._accept or self._free:
+        if any(self._accept) or any(self._free):
             self.begin_step([])
 
+    def _answered(self, step: int) -> bool:
+        """Every shard has answered every step up to `step` that was sent to it."""
+        return all(not q or q[0] > step for q in self._unanswered)
+
     def wait(self, step: int) -> None:
-        """Wait until every step up to `step` is answered (answers come in order)."""
+        """Wait until every step up to `step` is answered (each shard answers its steps in order)."""
         t0 = time.perf_counter()
         spin_until = time.monotonic() + BUSY_POLL_MS / 1e3 if self.busy_poll else 0.0
-        while self._answered < step:
+        while not self._answered(step):
             if time.monotonic() < spin_until:
                 self._receive(block=False)
             elif not self._receive(block=True):
@@ -203,7 +258,9 @@ class GrammarClient:
         return True
 
     def _on_step(self, resp: GrammarStepResp) -> None:
-        self._answered = max(self._answered, resp.step)
+        sent = self._unanswered[resp.shard]
+        while sent and sent[0] <= resp.step:
+            sent.popleft()
         self._rejected.update(resp.rejected)
         self.timing["steps"] += 1
         self.timing["fill_ms"] += resp.fill_ms

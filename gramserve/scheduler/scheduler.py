@@ -611,6 +611,8 @@ class Scheduler:
             "stats": dict(self.stats),
             "grammar_timing": dict(self.grammar.timing) if self.grammar is not None else {},
             "grammar_slots_in_use": self.grammar.slots_in_use if self.grammar is not None else 0,
+            "grammar_requests_per_shard": list(self.grammar.placed) if self.grammar is not None else [],
+            "grammar_live_requests": self.grammar.live_requests if self.grammar is not None else 0,
             "step_phases_ms": self.phases.snapshot(),
         }
 

@@ -7,6 +7,7 @@ exits non-zero; on Ctrl-C / SIGTERM the children are stopped too (and they exit 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -119,14 +120,19 @@ def launch_server(args: ServerArgs) -> int:
         shm = create_grammar_shm(args.max_running_requests, args.vocab_size)
         args.grammar_shm = shm.name
         pipes = {}
-        for name, target in (("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process),
-                             ("grammar", run_grammar_process)):
+        children = [("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)]
+        if args.grammar_shards == 1:
+            children.append(("grammar", run_grammar_process))
+        else:
+            children += [(f"grammar{i}", functools.partial(run_grammar_process, shard=i))
+                         for i in range(args.grammar_shards)]
+        for name, target in children:
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_child_entry, args=(target, args, tokenizer_dir, writer), name=name)
             proc.start()
             procs[name], pipes[name] = proc, reader
-        _wait_ready("detokenizer", procs["detokenizer"], pipes["detokenizer"])
-        _wait_ready("grammar", procs["grammar"], pipes["grammar"])
+        for name, _ in children[1:]:
+            _wait_ready(name, procs[name], pipes[name])
         ready = _wait_ready("scheduler", procs["scheduler"], pipes["scheduler"])
         runner_info = ready["runner"]
         return _serve(args, tokenizer, runner_info, procs)
