@@ -74,9 +74,10 @@ class GrammarClient:
         # are many): a round trip through a blocked process cost ~0.7 ms more on the H100 host (docs/benchmarks.md).
         self.busy_poll = False
         # Where constrained steps spend the scheduler's time (ms, cumulative; /get_server_info shows them).
-        # fed_steps: grammar steps whose tokens came through the token feed; steps and fill_ms count each shard's
-        # answer (fill_ms: accept + fill time in the grammar processes, summed over shards).
-        self.timing = {"steps": 0, "fed_steps": 0, "wait_after_forward_ms": 0.0, "apply_ms": 0.0, "fill_ms": 0.0}
+        # steps: grammar steps sent (to one shard or more); fed_steps: those whose tokens came through the token
+        # feed; replies: the shards' answers; fill_ms: accept + fill time in the grammar processes, summed over shards.
+        self.timing = {"steps": 0, "fed_steps": 0, "replies": 0, "wait_after_forward_ms": 0.0, "apply_ms": 0.0,
+                       "fill_ms": 0.0}
 
     def attach(self, device: torch.device, use_feed: bool) -> None:
         """Bind to the scheduler's device: masks are applied there; `use_feed` turns the token feed on."""
@@ -190,6 +191,7 @@ class GrammarClient:
             for rid, pos in fed:
                 parts[self._shard_of.get(rid, 0)][1].append((rid, pos))
         busy_poll_ms = BUSY_POLL_MS if self.busy_poll else 0.0
+        sent = False
         for shard, (shard_fill, shard_fed) in enumerate(parts):
             accept, free = self._accept[shard], self._free[shard]
             if not (accept or free or shard_fill or shard_fed):
@@ -198,6 +200,8 @@ class GrammarClient:
                                                              shard_fed))
             self._accept[shard], self._free[shard] = [], []
             self._unanswered[shard].append(self._step)
+            sent = True
+        self.timing["steps"] += sent
         return self._step
 
     def feed(self, token_ids: torch.Tensor, rows: list[tuple[str, int]]) -> bool:
@@ -262,7 +266,7 @@ class GrammarClient:
         while sent and sent[0] <= resp.step:
             sent.popleft()
         self._rejected.update(resp.rejected)
-        self.timing["steps"] += 1
+        self.timing["replies"] += 1
         self.timing["fill_ms"] += resp.fill_ms
 
     def apply(self, logits: torch.Tensor, pairs: list[tuple[int, int]]) -> None:

@@ -72,11 +72,14 @@ class StepPhases:
     """Host time per part of the scheduler's step (ms, cumulative; /get_server_info shows them).
 
     launch_forward: pick the batch and queue the forward; wait_tokens: wait for the previous step's sampled ids;
-    record_tokens: per-request bookkeeping of those ids; output: build the detokenizer message and free what
-    finished; launch_sampling: grammar masks (including waiting for them) and queue the sampling.
+    record_tokens: per-request bookkeeping of those ids (under overlap also asking for the masks of rows the token
+    feed does not refill); output: build the detokenizer message and free what finished; grammar_apply: wait for
+    the grammar masks and apply them; launch_sampling: queue the sampling; grammar_feed: hand the sampled ids of
+    constrained rows to the grammar processes (overlap).
     """
 
-    NAMES = ("launch_forward", "wait_tokens", "record_tokens", "output", "launch_sampling")
+    NAMES = ("launch_forward", "wait_tokens", "record_tokens", "output", "grammar_apply", "launch_sampling",
+             "grammar_feed")
 
     def __init__(self):
         self.ms = dict.fromkeys(self.NAMES, 0.0)
@@ -467,6 +470,7 @@ class Scheduler:
         overlap, the constrained rows' ids to the grammar process)."""
         if grammar is not None:
             self._apply_grammar(fwd, grammar)
+            self.phases.lap("grammar_apply")
         samples = {id(r) for r in fwd.sampling}
         # Rows of requests that finished meanwhile (overlap, aborts, grammar errors) are dropped.
         rows = [i for i, r in enumerate(fwd.reqs) if id(r) in samples and r.finished is None]
@@ -479,7 +483,9 @@ class Scheduler:
         self.last_tokens[self._to_device([r.req_pool_idx for r in reqs])] = pending.token_ids
         fed = False
         if self.grammar is not None and self.grammar.feeding:
+            self.phases.lap("launch_sampling")
             fed = self.grammar.feed(pending.token_ids, [(r.rid, pos) for pos, r in enumerate(reqs) if r.constrained])
+            self.phases.lap("grammar_feed")
         return _Sampled(reqs, pending, fed)
 
     def _read_tokens(self, sampled: _Sampled) -> list[Req]:
