@@ -112,7 +112,8 @@ def workload(n: int, seed: int, vocab: int, in_mean=200, out_mean=180) -> list[t
 class Engine:
     """A Scheduler in this process, driven step by step."""
 
-    def __init__(self, model_json: str, tokenizer_dir: str, grammar: bool, token_feed: bool = True, **overrides):
+    def __init__(self, model_json: str, tokenizer_dir: str, grammar: bool, token_feed: bool = True,
+                 busy_poll: bool = True, **overrides):
         from transformers import AutoTokenizer
 
         from gramserve.scheduler.scheduler import Scheduler, default_num_threads
@@ -138,6 +139,8 @@ class Engine:
         self.sched = Scheduler(self.args, self.tokenizer, client)
         if client is not None and not token_feed:
             client.stop_feed()
+        if client is not None and not busy_poll:
+            client.busy_poll = False  # both sides of the grammar hand-off block (and sleep-poll the feed)
         torch.set_num_threads(default_num_threads(self.sched.device))  # as the server's scheduler process does
         self.start_seconds = time.time() - t0
         self.info = self.sched.runner.info
@@ -574,6 +577,8 @@ def main() -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="default: the server's for the device")
     p.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--grammar-shards", type=int, default=None, help="default: the server's for the device")
+    p.add_argument("--no-busy-poll", action="store_true",
+                   help="grammar hand-off without polling: the scheduler and the grammar processes block")
     p.add_argument("--compare-plain", action="store_true",
                    help="also run decode b1 and throughput with the overlap schedule off (rows '<model> plain')")
     p.add_argument("--skip", default="", help="comma list of: attention,decode,throughput,hf,grammar")
@@ -635,7 +640,7 @@ def main() -> None:
             RESULTS["models"].insert(RESULTS["models"].index(name), name + " plain")
             save(args.out)
         eng = Engine(model_json, args.assets, grammar=name in args.grammar_models.split(","),
-                     overlap_schedule=args.overlap_schedule, **engine_kw)
+                     busy_poll=not args.no_busy_poll, overlap_schedule=args.overlap_schedule, **engine_kw)
         RESULTS.setdefault("engine", {})[name] = {"start_s": eng.start_seconds, **eng.info.__dict__,
                                                   "hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
                                                   "max_running_requests": eng.args.max_running_requests,
