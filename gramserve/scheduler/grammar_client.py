@@ -143,13 +143,6 @@ class GrammarClient:
         out, self._compiled = self._compiled, []
         return out
 
-    def slot(self, rid: str) -> int:
-        """The request's bitmask row (taken on first use, kept until `release_slot`)."""
-        slot = self._slots.get(rid)
-        if slot is None:
-            slot = self._slots[rid] = heapq.heappop(self._free_slots)
-        return slot
-
     def release_slot(self, rid: str) -> None:
         """The request stopped running (finished or retracted): its row may go to another request."""
         slot = self._slots.pop(rid, None)
@@ -171,25 +164,41 @@ class GrammarClient:
     def accept(self, rid: str, token: int) -> None:
         self._accept[self._shard_of.get(rid, 0)].append((rid, token))
 
-    def fresh_step(self, rid: str) -> int | None:
-        """The step whose eager fill holds this request's next mask, or None if it needs a fill."""
-        return self._fresh.get(rid)
+    def masks_for(self, rows: list[tuple[int, str]]) -> tuple[list[tuple[int, int]], int]:
+        """For (logits row, rid) pairs: the (row, slot) pairs to apply and the grammar step to wait for. A request
+        takes its slot (bitmask row) here on first use and keeps it until `release_slot`. One whose slot the token
+        feed is refilling waits for that fill; the others are asked for now (`begin_step`). One loop for the batch:
+        this runs every step for every constrained row."""
+        slots, fresh, free_slots = self._slots, self._fresh, self._free_slots
+        pairs, fill, step = [], [], 0
+        for row, rid in rows:
+            slot = slots.get(rid)
+            if slot is None:
+                slot = slots[rid] = heapq.heappop(free_slots)
+            pairs.append((row, slot))
+            fed_step = fresh.get(rid)
+            if fed_step is None:
+                fill.append((rid, slot))
+            elif fed_step > step:
+                step = fed_step
+        if fill:
+            step = max(step, self.begin_step(fill))
+        return pairs, step
 
     def begin_step(self, fill: list[tuple[str, int]]) -> int:
         """Send the queued accepts and frees, and ask for `fill` ((rid, slot) pairs); returns the step."""
-        return self._send(fill, [])
-
-    def _send(self, fill: list[tuple[str, int]], fed: list[tuple[str, int]]) -> int:
-        """Step `self._step + 1`: each shard with queued accepts or frees, or rows in `fill` / `fed`, gets its part."""
-        self._step += 1
         if self.shards == 1:
-            parts = [(fill, fed)]
-        else:
-            parts = [([], []) for _ in range(self.shards)]
-            for rid, slot in fill:
-                parts[self._shard_of.get(rid, 0)][0].append((rid, slot))
-            for rid, pos in fed:
-                parts[self._shard_of.get(rid, 0)][1].append((rid, pos))
+            return self._send([(fill, [])])
+        parts = [([], []) for _ in range(self.shards)]
+        shard_of = self._shard_of
+        for rid, slot in fill:
+            parts[shard_of.get(rid, 0)][0].append((rid, slot))
+        return self._send(parts)
+
+    def _send(self, parts: list[tuple[list[tuple[str, int]], list[tuple[str, int]]]]) -> int:
+        """Step `self._step + 1`: parts[shard] = (fill, fed) rows of that shard; each shard with those or with
+        queued accepts or frees gets its `GrammarStepReq`."""
+        self._step += 1
         busy_poll_ms = BUSY_POLL_MS if self.busy_poll else 0.0
         sent = False
         for shard, (shard_fill, shard_fed) in enumerate(parts):
@@ -209,14 +218,20 @@ class GrammarClient:
         and have it refill those requests' slots. False: no feed (the caller queues accepts as before)."""
         if not rows:
             return True
-        if self._feed is None or not self._feed.publish(self._step + 1, token_ids):
+        step = self._step + 1
+        if self._feed is None or not self._feed.publish(step, token_ids):
             for rid, _ in rows:
                 self._fresh.pop(rid, None)
             return False
-        step = self._send([(rid, self._slots[rid]) for rid, _ in rows], rows)
+        slots, fresh, shard_of = self._slots, self._fresh, self._shard_of
+        parts = [([], []) for _ in range(self.shards)]
+        for rid, pos in rows:
+            fill, fed = parts[shard_of.get(rid, 0)]
+            fill.append((rid, slots[rid]))
+            fed.append((rid, pos))
+            fresh[rid] = step
+        self._send(parts)
         self.timing["fed_steps"] += 1
-        for rid, _ in rows:
-            self._fresh[rid] = step
         return True
 
     def flush(self) -> None:

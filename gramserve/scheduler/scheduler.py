@@ -441,27 +441,23 @@ class Scheduler:
         if not rows:
             return masks
         masks = masks or _Masks()
-        fill = []
-        for i, r in rows:
-            slot = self.grammar.slot(r.rid)
-            masks.pairs.append((i, slot))
-            fresh = self.grammar.fresh_step(r.rid)
-            if fresh is None:
-                fill.append((r.rid, slot))
-            else:
-                masks.step = max(masks.step, fresh)
-        if fill:
-            masks.step = max(masks.step, self.grammar.begin_step(fill))
+        pairs, step = self.grammar.masks_for([(i, r.rid) for i, r in rows])
+        masks.pairs += pairs
+        masks.step = max(masks.step, step)
         return masks
 
     def _begin_grammar(self, fwd: _Forward) -> tuple[_Masks | None, list[tuple[int, Req]]]:
         """Overlap: the masks of this step's constrained rows (refilled through the token feed, or asked for now).
         Rows of requests that finish with the token being recorded get masks too, and are then dropped.
         Also returns the (row, request) pairs whose grammar has not started yet (waiting for `start_after`)."""
-        samples = {id(r) for r in fwd.sampling}
+        if fwd.sampling is fwd.reqs:  # a decode batch: every row samples
+            candidates = enumerate(fwd.reqs)
+        else:
+            samples = {id(r) for r in fwd.sampling}
+            candidates = ((i, r) for i, r in enumerate(fwd.reqs) if id(r) in samples)
         rows, not_started = [], []
-        for i, r in enumerate(fwd.reqs):
-            if r.grammar is not None and r.finished is None and id(r) in samples:
+        for i, r in candidates:
+            if r.grammar is not None and r.finished is None:
                 (rows if r.constrained else not_started).append((i, r))
         return self._masks_for(rows), not_started
 
