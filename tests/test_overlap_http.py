@@ -1,8 +1,8 @@
 """The overlap schedule (the GPU default) through HTTP on the CPU: a server started with `--overlap-schedule on`
 answers exactly like the plain session server: greedy text and logprobs, seeded sampling, constrained JSON, tool
 calls, streaming; and aborts and finished requests give their KV memory back. The overlap servers run two grammar
-processes (`--grammar-shards 2`, the GPU default is one per two cores), the session server one: constrained
-outputs are the same whichever process holds a request's matcher."""
+processes (`--grammar-shards 2`; on CUDA the default is one per four cores), the session server one, and a plain
+server with two more: constrained outputs are the same whichever process holds a request's matcher."""
 
 from __future__ import annotations
 
@@ -37,6 +37,15 @@ def tight_overlap_url(tmp_path_factory):
     srv = start_server(str(tmp_path_factory.mktemp("tight-overlap")), "--overlap-schedule", "on",
                        "--grammar-shards", "2", "--kv-cache-memory-gb", "0.02", "--context-length", "512", "--chunked-prefill-size", "64",
                        "--kv-reserve-ratio", "0")
+    yield srv.base_url
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def sharded_plain_url(tmp_path_factory):
+    """The plain loop (tokens reach the grammar processes as queued accepts, not through the feed) over two
+    grammar processes."""
+    srv = start_server(str(tmp_path_factory.mktemp("sharded-plain")), "--grammar-shards", "2")
     yield srv.base_url
     assert srv.stop() == 0, srv.log()[-3000:]
 
@@ -105,6 +114,26 @@ def test_same_answers_as_the_plain_schedule(base_url, overlap_url, model_name):
     # The constrained requests (n counts each choice) were spread over both grammar processes.
     placed = httpx.get(overlap_url + "/get_server_info").json()["grammar_requests_per_shard"]
     assert len(placed) == 2 and min(placed) >= 1, placed
+
+
+def test_two_grammar_processes_answer_like_one(base_url, sharded_plain_url, model_name):
+    """The plain loop with two grammar processes gives exactly the one-process answers (constrained JSON, tool
+    calls, regex; n > 1 spreads one request's choices over both), and every matcher is freed afterwards."""
+    async def run_all(url):
+        async with httpx.AsyncClient(timeout=300) as client:
+            rs = await asyncio.gather(*[client.post(url + path, json=body) for path, body in _bodies(model_name)])
+        return [r.json() for r in rs]
+
+    one, two = asyncio.run(run_all(base_url)), asyncio.run(run_all(sharded_plain_url))
+    for (path, body), a, b in zip(_bodies(model_name), one, two):
+        assert "choices" in b, b
+        assert _strip(b) == _strip(a), (path, body)
+    info = httpx.get(sharded_plain_url + "/get_server_info").json()
+    assert len(info["grammar_requests_per_shard"]) == 2 and min(info["grammar_requests_per_shard"]) >= 1, info
+    assert info["grammar_timing"]["fed_steps"] == 0 and info["grammar_timing"]["steps"] > 0
+    assert wait_pool_whole(sharded_plain_url)["used_slots"] == 0
+    info = httpx.get(sharded_plain_url + "/get_server_info").json()
+    assert info["grammar_slots_in_use"] == 0 and info["grammar_live_requests"] == 0, info
 
 
 def test_many_constrained_streams_with_disconnects(overlap_url, model_name):
