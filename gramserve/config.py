@@ -112,6 +112,8 @@ class ServerArgs:
                 setattr(self, name, getattr(defaults, name))
         if self.grammar_shards is None:
             self.grammar_shards = min(defaults.max_grammar_shards, max(1, available_cores() // 4))
+        elif self.grammar_shards < 1:
+            raise ValueError(f"grammar_shards must be at least 1, got {self.grammar_shards}")
 
     @property
     def model_name(self) -> str:
@@ -187,7 +189,7 @@ class ServerArgs:
                             help="threads filling a step's token masks in each grammar process ('auto': half the "
                                  "cores shared among the grammar processes, at most 8; 0: one row at a time "
                                  "without the backends' batch APIs)")
-        parser.add_argument("--grammar-shards", type=int, default=None,
+        parser.add_argument("--grammar-shards", type=_positive_int, default=None,
                             help="grammar processes sharing the constrained requests (default: 1 on CPU; on CUDA "
                                  "one per four cores, at most "
                                  f"{DEVICE_DEFAULTS['cuda'].max_grammar_shards})")
@@ -208,6 +210,16 @@ class ServerArgs:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value!r}")
+    return number
 
 
 def _threads_arg(value: str) -> int | str:

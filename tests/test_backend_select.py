@@ -50,6 +50,11 @@ def test_device_defaults_fill_what_the_command_line_leaves_out(monkeypatch):
         assert ServerArgs(device="cpu").grammar_shards == 1
     monkeypatch.undo()
     assert ServerArgs.from_cli_args(parser.parse_args(["--device", "cuda", "--grammar-shards", "3"])).grammar_shards == 3
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit):  # argparse's usage error, exit status 2
+            parser.parse_args(["--grammar-shards", bad])
+    with pytest.raises(ValueError, match="grammar_shards"):
+        ServerArgs(grammar_shards=0)
     # auto on this machine: whatever torch sees.
     auto = ServerArgs()
     assert auto.max_running_requests == DEVICE_DEFAULTS["cuda" if torch.cuda.is_available() else "cpu"].max_running_requests
