@@ -212,23 +212,21 @@ class ServerArgs:
         return dataclasses.asdict(self)
 
 
-def _positive_int(value: str) -> int:
+def _int_at_least(value: str, minimum: int, alternative: str = "") -> int:
+    """A command-line whole number >= minimum (`alternative`: another accepted spelling, for the message)."""
+    expected = f"{alternative} or a number >= {minimum}" if alternative else f"a number >= {minimum}"
     try:
         number = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value!r}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}") from None
+    if number < minimum:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}")
     return number
 
 
+def _positive_int(value: str) -> int:
+    return _int_at_least(value, 1)
+
+
 def _threads_arg(value: str) -> int | str:
-    if value == "auto":
-        return value
-    try:
-        threads = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number of threads, got {value!r}") from None
-    if threads < 0:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number >= 0, got {value!r}")
-    return threads
+    return value if value == "auto" else _int_at_least(value, 0, "'auto'")
