@@ -57,15 +57,10 @@ class Result:
 
 def load_cases(backend, tokenizer, corpus: Path, count: int, max_bytes: int) -> list[Case]:
     from gramserve.grammar.backends import GrammarCompileError, GrammarSpec
-    from gramserve.grammar.backends.evaluate import corpus_files, load_case, stratified_sample
+    from gramserve.grammar.backends.evaluate import small_cases
 
     cases = []
-    for path in stratified_sample(corpus_files(corpus), 20):
-        schema, tests = load_case(path)
-        valid = [t["data"] for t in tests if t.get("valid")]
-        text = json.dumps(schema)
-        if not valid or len(text) > max_bytes:
-            continue
+    for _, text, valid in small_cases(corpus, 20, max_bytes):
         try:
             compiled = backend.compile(GrammarSpec("json_schema", text))
         except GrammarCompileError:

@@ -17,7 +17,7 @@ import torch
 
 from gramserve.grammar.backends import BACKEND_NAMES, GrammarCompileError, GrammarOptions, GrammarSpec, create_backend
 from gramserve.grammar.backends.base import Matcher
-from gramserve.grammar.backends.evaluate import corpus_files, load_case, stratified_sample
+from gramserve.grammar.backends.evaluate import corpus_files, load_case, small_cases, stratified_sample
 from gramserve.grammar.fill import FillPool, fill_rows, resolve_fill_threads
 
 CORPUS = Path(__file__).parents[1] / ".." / "shared" / "corpora" / "jsonschemabench-dev"
@@ -43,12 +43,7 @@ def corpus_cases(backend, tokenizer) -> list[tuple[object, list[int]]]:
     """(compiled grammar, token ids of a valid instance) for the first SCHEMAS small corpus schemas the
     backend compiles and whose instance it accepts."""
     out = []
-    for path in stratified_sample(corpus_files(CORPUS), 40):
-        schema, tests = load_case(path)
-        valid = [t["data"] for t in tests if t.get("valid")]
-        text = json.dumps(schema)
-        if not valid or len(text) > 2500:
-            continue
+    for _, text, valid in small_cases(CORPUS, 40, 2500):
         try:
             compiled = backend.compile(GrammarSpec("json_schema", text))
         except GrammarCompileError:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from gramserve.grammar.backends import GrammarCompileError, GrammarOptions, GrammarSpec, create_backend
-from gramserve.grammar.backends.evaluate import corpus_files, load_case, stratified_sample
+from gramserve.grammar.backends.evaluate import small_cases
 from gramserve.grammar.backends.xgrammar_backend import inline_bounded_whitespace
 
 xgr = pytest.importorskip("xgrammar")
@@ -91,12 +91,7 @@ def test_same_masks_as_xgrammar_on_corpus_schemas(backend, tokenizer):
     vocab = len(tokenizer)
     bitmask = torch.zeros((2, (vocab + 31) // 32), dtype=torch.int32)
     checked = schemas = 0
-    for path in stratified_sample(corpus_files(CORPUS), 30):
-        schema, tests = load_case(path)
-        valid = [t["data"] for t in tests if t.get("valid")]
-        text = json.dumps(schema)
-        if not valid or len(text) > 3000:
-            continue
+    for path, text, valid in small_cases(CORPUS, 30, 3000):
         try:
             ours = backend.compile(GrammarSpec("json_schema", text))
             ref = reference(backend, text)

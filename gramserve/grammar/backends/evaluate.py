@@ -24,6 +24,7 @@ import re
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,17 @@ def load_case(path: Path) -> tuple[object, list[dict]]:
     with open(path) as f:
         doc = json.load(f)
     return doc.get("schema"), list(doc.get("tests") or [])
+
+
+def small_cases(root: Path, every: int, max_bytes: int) -> Iterator[tuple[Path, str, list]]:
+    """(file, schema text, valid instances) for the schemas of ``stratified_sample(corpus_files(root), every)``
+    that are at most ``max_bytes`` long and have a valid instance: the sample that mask tests and benchmarks walk."""
+    for path in stratified_sample(corpus_files(root), every):
+        schema, tests = load_case(path)
+        valid = [t["data"] for t in tests if t.get("valid")]
+        text = json.dumps(schema)
+        if valid and len(text) <= max_bytes:
+            yield path, text, valid
 
 
 def serializations(data, whitespace_allowed: bool) -> list[str]:
