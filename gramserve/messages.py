@@ -66,6 +66,9 @@ class GrammarStepReq:
     # (rid, position): accepted, after `accept`, from this step's ids in the token feed (grammar/token_feed.py),
     # which the sampler writes there; the grammar process waits for them.
     fed: list[tuple[str, int]] = field(default_factory=list)
+    # Fill and feed the same rows as the last step this process was sent with `fed` (steady decode: the scheduler
+    # does not send the same rows again); `fill` and `fed` are then empty.
+    repeat_fed: bool = False
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -29,6 +30,20 @@ from gramserve.messages import GrammarCompileReq, GrammarStepReq, GrammarStepRes
 logger = logging.getLogger(__name__)
 
 FEED_TIMEOUT_S = 60.0  # a step's ids are due within one forward; this only guards against a dead scheduler
+
+
+@dataclass
+class FedRows:
+    """This process's rows of the last step sent with `fed` (`GrammarStepReq.repeat_fed` reuses them)."""
+
+    fill: list[tuple[str, int]]
+    fed: list[tuple[str, int]]
+    positions: list[int]
+    rids: list[str]
+
+    @classmethod
+    def of(cls, msg: GrammarStepReq) -> FedRows:
+        return cls(msg.fill, msg.fed, [pos for _, pos in msg.fed], [rid for rid, _ in msg.fed])
 
 
 def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard: int = 0) -> None:
@@ -61,6 +76,7 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     busy_until = 0.0  # poll without sleeping until then (GrammarStepReq.busy_poll_ms)
+    last_fed: list[FedRows | None] = [None]
     try:
         while True:
             # Poll quickly while compiles are in flight, so their results go out promptly.
@@ -71,7 +87,7 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard:
                         msg = inbox.recv_pyobj(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    handle(service, msg, to_scheduler, feed, shard)
+                    handle(service, msg, to_scheduler, feed, shard, last_fed)
                     if isinstance(msg, GrammarStepReq) and msg.busy_poll_ms:
                         busy_until = time.monotonic() + msg.busy_poll_ms / 1e3
             for resp in service.poll_compiles():
@@ -83,13 +99,23 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard:
         shared.close()
 
 
-def handle(service: GrammarService, msg, to_scheduler: zmq.Socket, feed: FeedReader, shard: int = 0) -> None:
+def handle(service: GrammarService, msg, to_scheduler: zmq.Socket, feed: FeedReader, shard: int = 0,
+           last_fed: list[FedRows | None] | None = None) -> None:
+    """Answer one message. `last_fed` ([FedRows or None]) carries this process's last fed rows between calls."""
+    last_fed = last_fed if last_fed is not None else [None]
     if isinstance(msg, GrammarStepReq):
         try:
-            if msg.fed:
-                ids = feed.wait(msg.step, [pos for _, pos in msg.fed], busy=msg.busy_poll_ms > 0,
-                                timeout_s=FEED_TIMEOUT_S)
-                msg.accept = msg.accept + [(rid, tok) for (rid, _), tok in zip(msg.fed, ids)]
+            rows = None
+            if msg.repeat_fed:
+                rows = last_fed[0]
+                if rows is None:
+                    raise RuntimeError(f"step {msg.step} repeats the fed rows, but none were sent before")
+                msg.fill, msg.fed = rows.fill, rows.fed
+            elif msg.fed:
+                rows = last_fed[0] = FedRows.of(msg)
+            if rows is not None:
+                ids = feed.wait(msg.step, rows.positions, busy=msg.busy_poll_ms > 0, timeout_s=FEED_TIMEOUT_S)
+                msg.accept = msg.accept + list(zip(rows.rids, ids))
             resp = service.step(msg)
             resp.shard = shard
             to_scheduler.send_pyobj(resp)

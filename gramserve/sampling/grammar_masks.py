@@ -5,12 +5,15 @@ The grammar process writes one bitmask row per constrained request (its slot) in
 
 * CPU: `apply_bitmask` on the gathered rows.
 * CUDA: the shared bitmask is page-locked (by the GrammarClient, `grammar_shm.page_lock`), so the rows up to
-  the highest slot in use go to the GPU in one asynchronous copy with no host-side copy; the (row, slot) pairs go through a small
-  page-locked buffer; one Triton kernel (`bitmask_kernel`) applies them and also disallows logits columns past
-  the grammar's vocabulary. Nothing waits for the GPU. A slot is rewritten by the grammar process only after the
-  step that read it has sampled (the next fill needs that step's tokens), or, for a slot just handed to a new
-  request, while only a finished request's discarded row could still read it.
-  If it could not be page-locked, the rows are staged through a page-locked copy instead.
+  the highest slot in use go to the GPU in one asynchronous copy with no host-side copy; the (row, slot) pairs
+  go through a small page-locked buffer, and only when they change (steady decode: never); one Triton kernel
+  (`bitmask_kernel`) applies them and also disallows logits columns past the grammar's vocabulary. Nothing
+  waits for the GPU. (Copying on a stream of its own, beside the forward, measured slower: by the time the
+  masks exist the forward is mostly done, and the stream hand-offs cost host time on the critical path.)
+  A slot is rewritten by the grammar process only after the step that read it has sampled (the next fill
+  needs that step's tokens), or, for a slot just handed to a new request, while only a finished request's
+  discarded row could still read it. If the segment could not be page-locked, the rows are staged through a
+  page-locked copy instead.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ class MaskApplier:
             self._next = 0
             self._masks = torch.empty((slots, words), dtype=torch.int32, device=device)
             self._pairs_dev = torch.empty((slots, 2), dtype=torch.int32, device=device)
+            # The pairs list of the last apply and its highest slot + 1. The same list object again (the scheduler
+            # passes the grammar client's cached layout in steady decode): its pairs are still in `_pairs_dev`.
+            self._last_pairs: list[tuple[int, int]] | None = None
+            self._last_used = 0
+            self._staged: torch.cuda.Event | None = None  # the last copy out of `_staging`
 
     def apply(self, logits: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -58,24 +66,28 @@ class MaskApplier:
     def _apply_cuda(self, logits: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         from gramserve.sampling.bitmask_kernel import apply_masks
 
-        k = self._next
-        self._next = (k + 1) % RING
-        if self._copied[k] is not None:
-            self._copied[k].synchronize()  # the copies that last read these buffers have run (long done)
         n = len(pairs)
-        used = max(s for _, s in pairs) + 1
-        staged = self._pairs[k][:n]
-        staged.copy_(torch.tensor(pairs, dtype=torch.int32))
+        if pairs is not self._last_pairs:
+            k = self._next
+            self._next = (k + 1) % RING
+            if self._copied[k] is not None:
+                self._copied[k].synchronize()  # the copy that last read this buffer has run (long done)
+            self._last_pairs, self._last_used = pairs, max(s for _, s in pairs) + 1
+            staged = self._pairs[k][:n]
+            staged.copy_(torch.tensor(pairs, dtype=torch.int32))
+            self._pairs_dev[:n].copy_(staged, non_blocking=True)
+            event = self._copied[k] or torch.cuda.Event()
+            event.record()
+            self._copied[k] = event
+        used = self._last_used
         source = self.bitmask[:used]
         if self._staging is not None:
-            previous = self._copied[(k - 1) % RING]
-            if previous is not None:
-                previous.synchronize()  # one staging buffer: the last copy out of it has run
+            if self._staged is not None:
+                self._staged.synchronize()  # one staging buffer: the last copy out of it has run
             source = self._staging[:used]
             source.copy_(self.bitmask[:used])
         self._masks[:used].copy_(source, non_blocking=True)
-        self._pairs_dev[:n].copy_(staged, non_blocking=True)
-        event = self._copied[k] or torch.cuda.Event()
-        event.record()
-        self._copied[k] = event
+        if self._staging is not None:
+            self._staged = self._staged or torch.cuda.Event()
+            self._staged.record()
         apply_masks(logits, self._masks, self._pairs_dev[:n], covered=min(logits.shape[-1], self.bitmask.shape[1] * 32))

@@ -10,9 +10,14 @@ Two ways a slot gets its next mask:
 * a fill asked for by the scheduler (`begin_step`), with the accepts the scheduler queued: the plain schedule
   (asked before the forward), and under overlap for rows without a fresh mask (a new request, a grammar that
   just started);
-* under overlap, eagerly: `feed` hands the just-sampled ids to the grammar process through the token feed
-  (`grammar/token_feed.py`) and asks it to accept them and refill those requests' slots at once. The mask for
-  the next step then exists before the scheduler has even read the ids itself.
+* under overlap, eagerly: `announce_feed` tells the shards, before the step samples, which ids of the step
+  will come through the token feed (`grammar/token_feed.py`) and which slots to refill with them;
+  `publish_feed` queues the ids into the feed right after sampling. The grammar processes accept them and
+  refill at once: the mask for the next step exists before the scheduler has even read the ids itself.
+
+In steady decode the constrained rows are the same from step to step. The client then remembers the last fed
+layout (`_FedLayout`): the next step's masks come without per-row work, and each shard is told to reuse its
+rows of the last fed step (`GrammarStepReq.repeat_fed`) instead of being sent them again.
 
 Compile results arrive asynchronously and are collected with `poll_compiles`.
 """
@@ -23,6 +28,7 @@ import heapq
 import logging
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -43,6 +49,20 @@ RECENT_GRAMMARS = 512  # per shard: grammars remembered as compiled there (its c
 
 class GrammarProcessError(RuntimeError):
     pass
+
+
+@dataclass
+class _FedLayout:
+    """The constrained rows of the last fed step: which requests (`rids`), at which positions of the sampled ids,
+    in which slots, on which shards; `step`: the fed step. Valid while no slot changes hands."""
+
+    rids: list[str]
+    positions: list[int]
+    slots: list[int]
+    shards: list[int]
+    step: int = 0
+    rows: list[int] | None = None  # the logits rows of the last `masks_for` that hit this layout
+    pairs: list[tuple[int, int]] | None = None  # ... and its (row, slot) pairs (the same list object each hit)
 
 
 class GrammarClient:
@@ -67,6 +87,7 @@ class GrammarClient:
         self._slots: dict[str, int] = {}
         self._free_slots = list(range(self.bitmask.shape[0]))  # a heap: the lowest free slot first
         self._fresh: dict[str, int] = {}  # rid -> the fed step whose fill holds its next mask
+        self._layout: _FedLayout | None = None
         self._feed: FeedWriter | None = None
         self._pinned = False
         self._masks: MaskApplier | None = None
@@ -75,9 +96,10 @@ class GrammarClient:
         self.busy_poll = False
         # Where constrained steps spend the scheduler's time (ms, cumulative; /get_server_info shows them).
         # steps: grammar steps sent (to one shard or more); fed_steps: those whose tokens came through the token
-        # feed; replies: the shards' answers; fill_ms: accept + fill time in the grammar processes, summed over shards.
-        self.timing = {"steps": 0, "fed_steps": 0, "replies": 0, "wait_after_forward_ms": 0.0, "apply_ms": 0.0,
-                       "fill_ms": 0.0}
+        # feed, repeated_fed_steps: those that reused the last fed step's rows; replies: the shards' answers;
+        # fill_ms: accept + fill time in the grammar processes, summed over shards.
+        self.timing = {"steps": 0, "fed_steps": 0, "repeated_fed_steps": 0, "replies": 0,
+                       "wait_after_forward_ms": 0.0, "apply_ms": 0.0, "fill_ms": 0.0}
 
     def attach(self, device: torch.device, use_feed: bool) -> None:
         """Bind to the scheduler's device: masks are applied there; `use_feed` turns the token feed on."""
@@ -102,6 +124,7 @@ class GrammarClient:
         """Send accepts through the scheduler from now on (benchmarks compare both ways)."""
         self._feed = None
         self._fresh.clear()
+        self._layout = None
 
     @property
     def feeding(self) -> bool:
@@ -148,6 +171,7 @@ class GrammarClient:
         slot = self._slots.pop(rid, None)
         if slot is not None:
             heapq.heappush(self._free_slots, slot)
+            self._layout = None
         self._fresh.pop(rid, None)
 
     def free(self, rid: str) -> None:
@@ -164,14 +188,20 @@ class GrammarClient:
     def accept(self, rid: str, token: int) -> None:
         self._accept[self._shard_of.get(rid, 0)].append((rid, token))
 
-    def masks_for(self, rows: list[tuple[int, str]]) -> tuple[list[tuple[int, int]], int]:
-        """For (logits row, rid) pairs: the (row, slot) pairs to apply and the grammar step to wait for. A request
-        takes its slot (bitmask row) here on first use and keeps it until `release_slot`. One whose slot the token
-        feed is refilling waits for that fill; the others are asked for now (`begin_step`). One loop for the batch:
-        this runs every step for every constrained row."""
+    def masks_for(self, rows: list[int], rids: list[str]) -> tuple[list[tuple[int, int]], int]:
+        """For logits rows `rows` of requests `rids`: the (row, slot) pairs to apply and the grammar step to wait
+        for. A request takes its slot (bitmask row) here on first use and keeps it until `release_slot`. One whose
+        slot the token feed is refilling waits for that fill; the others are asked for now (`begin_step`). This
+        runs every step for every constrained row: when the rows are those of the last fed step, the answer is the
+        layout's, with no per-row work."""
+        lay = self._layout
+        if lay is not None and rids == lay.rids:
+            if rows != lay.rows:
+                lay.rows, lay.pairs = rows, list(zip(rows, lay.slots))
+            return lay.pairs, lay.step
         slots, fresh, free_slots = self._slots, self._fresh, self._free_slots
         pairs, fill, step = [], [], 0
-        for row, rid in rows:
+        for row, rid in zip(rows, rids):
             slot = slots.get(rid)
             if slot is None:
                 slot = slots[rid] = heapq.heappop(free_slots)
@@ -195,44 +225,61 @@ class GrammarClient:
             parts[shard_of.get(rid, 0)][0].append((rid, slot))
         return self._send(parts)
 
-    def _send(self, parts: list[tuple[list[tuple[str, int]], list[tuple[str, int]]]]) -> int:
-        """Step `self._step + 1`: parts[shard] = (fill, fed) rows of that shard; each shard with those or with
-        queued accepts or frees gets its `GrammarStepReq`."""
+    def _send(self, parts: list[tuple[list[tuple[str, int]], list[tuple[str, int]]]] | None,
+              repeat: list[int] = ()) -> int:
+        """Step `self._step + 1`: parts[shard] = (fill, fed) rows of that shard; shards in `repeat` reuse their rows
+        of the last fed step. Each shard with rows or with queued accepts or frees gets its `GrammarStepReq`."""
         self._step += 1
         busy_poll_ms = BUSY_POLL_MS if self.busy_poll else 0.0
         sent = False
-        for shard, (shard_fill, shard_fed) in enumerate(parts):
+        for shard in range(self.shards):
+            shard_fill, shard_fed = parts[shard] if parts is not None else ([], [])
             accept, free = self._accept[shard], self._free[shard]
-            if not (accept or free or shard_fill or shard_fed):
+            repeat_fed = shard in repeat
+            if not (accept or free or shard_fill or shard_fed or repeat_fed):
                 continue
             self.to_grammar[shard].send_pyobj(GrammarStepReq(self._step, accept, shard_fill, free, busy_poll_ms,
-                                                             shard_fed))
+                                                             shard_fed, repeat_fed))
             self._accept[shard], self._free[shard] = [], []
             self._unanswered[shard].append(self._step)
             sent = True
         self.timing["steps"] += sent
         return self._step
 
-    def feed(self, token_ids: torch.Tensor, rows: list[tuple[str, int]]) -> bool:
-        """Overlap: hand this step's sampled ids (device tensor; `rows` = (rid, position)) to the grammar process
-        and have it refill those requests' slots. False: no feed (the caller queues accepts as before)."""
-        if not rows:
-            return True
-        step = self._step + 1
-        if self._feed is None or not self._feed.publish(step, token_ids):
-            for rid, _ in rows:
+    def announce_feed(self, n: int, positions: list[int], rids: list[str]) -> int | None:
+        """Overlap, before a step samples its `n` ids: the constrained requests `rids` (at `positions` of those ids)
+        will have their ids in the token feed (`publish_feed`); each shard accepts them and refills those
+        requests' slots as soon as they land. Returns the step to publish, 0 if there is nothing to feed, None if
+        the feed cannot take them (the caller queues the accepts itself)."""
+        if not rids:
+            return 0
+        if self._feed is None or n > self._feed.rows:
+            self._layout = None
+            for rid in rids:
                 self._fresh.pop(rid, None)
-            return False
-        slots, fresh, shard_of = self._slots, self._fresh, self._shard_of
-        parts = [([], []) for _ in range(self.shards)]
-        for rid, pos in rows:
-            fill, fed = parts[shard_of.get(rid, 0)]
-            fill.append((rid, slots[rid]))
-            fed.append((rid, pos))
-            fresh[rid] = step
-        self._send(parts)
+            return None
+        lay = self._layout
+        if lay is not None and rids == lay.rids and positions == lay.positions:
+            step = self._send(None, repeat=lay.shards)
+            self.timing["repeated_fed_steps"] += 1
+        else:
+            slots, shard_of = self._slots, self._shard_of
+            slot_list = [slots[rid] for rid in rids]
+            parts = [([], []) for _ in range(self.shards)]
+            for rid, pos, slot in zip(rids, positions, slot_list):
+                fill, fed = parts[shard_of.get(rid, 0)]
+                fill.append((rid, slot))
+                fed.append((rid, pos))
+            step = self._send(parts)
+            lay = self._layout = _FedLayout(rids, positions, slot_list, [i for i, (f, _) in enumerate(parts) if f])
+        lay.step = step
+        self._fresh.update(dict.fromkeys(rids, step))
         self.timing["fed_steps"] += 1
-        return True
+        return step
+
+    def publish_feed(self, step: int, token_ids: torch.Tensor) -> None:
+        """Queue a step's sampled ids (device tensor) into the token feed, after `announce_feed` gave `step`."""
+        self._feed.publish(step, token_ids)
 
     def flush(self) -> None:
         """Send pending accepts / frees without waiting (their answer is collected by a later `wait`)."""

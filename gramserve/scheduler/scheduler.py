@@ -49,6 +49,7 @@ class _Forward:
     sampling: list[Req]  # those that sample a token this step
     logits: torch.Tensor
     grammar: _Masks | None  # plain schedule: the masks asked for before the forward
+    pool_rows: torch.Tensor  # the requests' slot-table rows, on the device
 
 
 @dataclass
@@ -57,6 +58,17 @@ class _Masks:
 
     step: int = 0
     pairs: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
+class _DecodeRows:
+    """The device tensors of the last decode batch. The next decode batch of the same requests, each one token on
+    (steady decode), reuses them: its positions are these seq_lens."""
+
+    reqs: list[Req]
+    seq_lens: list[int]
+    rows_dev: torch.Tensor
+    seq_lens_dev: torch.Tensor
 
 
 @dataclass
@@ -73,13 +85,13 @@ class StepPhases:
 
     launch_forward: pick the batch and queue the forward; wait_tokens: wait for the previous step's sampled ids;
     record_tokens: per-request bookkeeping of those ids (under overlap also asking for the masks of rows the token
-    feed does not refill); output: build the detokenizer message and free what finished; grammar_apply: wait for
-    the grammar masks and apply them; launch_sampling: queue the sampling; grammar_feed: hand the sampled ids of
-    constrained rows to the grammar processes (overlap).
+    feed does not refill); output: build the detokenizer message and free what finished; grammar_feed: tell the
+    grammar processes which of this step's sampled ids will reach them through the token feed (overlap);
+    grammar_apply: wait for the grammar masks and apply them; launch_sampling: queue the sampling.
     """
 
-    NAMES = ("launch_forward", "wait_tokens", "record_tokens", "output", "grammar_apply", "launch_sampling",
-             "grammar_feed")
+    NAMES = ("launch_forward", "wait_tokens", "record_tokens", "output", "grammar_feed", "grammar_apply",
+             "launch_sampling")
 
     def __init__(self):
         self.ms = dict.fromkeys(self.NAMES, 0.0)
@@ -129,6 +141,7 @@ class Scheduler:
         # The last sampled token of each request row, written on the device by sampling, read by decode.
         self.last_tokens = torch.zeros(args.max_running_requests, dtype=torch.long, device=self.device)
         self.inflight: _Sampled | None = None  # overlap: the previous step, not yet read back
+        self._last_decode: _DecodeRows | None = None
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None  # the request whose prompt is being prefilled chunk by chunk
@@ -241,6 +254,8 @@ class Scheduler:
 
     def _schedule_prefill(self) -> list[tuple[Req, int]]:
         """Pick (request, new tokens) pairs for one extend step within the token and memory budgets."""
+        if not (self.waiting or self.chunked):
+            return []
         chunk_size = self.args.chunked_prefill_size
         budget = chunk_size if chunk_size > 0 else self.args.max_prefill_tokens
         picked: list[tuple[Req, int]] = []
@@ -309,20 +324,26 @@ class Scheduler:
 
     def _decode_batch(self, reqs: list[Req]) -> ForwardBatch:
         slots = self._alloc(len(reqs))
-        positions, rows = [], []
+        positions = [r.kv_len for r in reqs]
         for req in reqs:
-            positions.append(req.kv_len)
             req.kv_len += 1
-            rows.append(req.req_pool_idx)
-        positions_t = torch.tensor(positions)
-        rows_dev = self._to_device(rows)
+        last = self._last_decode
+        if last is not None and reqs == last.reqs and positions == last.seq_lens:
+            # The same requests as the last decode step, one token on: no host-to-device copies.
+            rows_dev, positions_dev = last.rows_dev, last.seq_lens_dev
+        else:
+            rows_dev = self._to_device([r.req_pool_idx for r in reqs])
+            positions_dev = self._to_device(positions)
+        seq_lens, seq_lens_dev = [p + 1 for p in positions], positions_dev + 1
+        self._last_decode = _DecodeRows(reqs, seq_lens, rows_dev, seq_lens_dev)
         # One scatter for the whole batch (a write per request costs a kernel launch each on a GPU).
-        self.req_pool.table[rows_dev, positions_t.to(self.device, non_blocking=True)] = \
-            slots.to(self.req_pool.table.dtype)
-        seq_lens = [r.kv_len for r in reqs]
-        # Each request's input is the token it sampled last, which may still be on the device (overlap).
-        return self._make_batch(ForwardMode.DECODE, self.last_tokens[rows_dev], positions_t, slots, rows,
-                                seq_lens, [s - 1 for s in seq_lens], [1] * len(reqs))
+        self.req_pool.table[rows_dev, positions_dev] = slots.to(self.req_pool.table.dtype)
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            # Each request's input is the token it sampled last, which may still be on the device (overlap).
+            input_ids=self.last_tokens[rows_dev], positions=positions_dev, out_cache_loc=slots,
+            req_pool_indices=rows_dev, seq_lens=seq_lens_dev, seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=positions, extend_seq_lens_cpu=[1] * len(reqs), req_to_token=self.req_pool.table)
 
     def _to_device(self, values: list[int]) -> torch.Tensor:
         # non_blocking: a plain host-to-device copy would wait for every kernel already queued (overlap).
@@ -429,7 +450,7 @@ class Scheduler:
                 self.chunked = None
             if req.finished is None:
                 self.running.append(req)
-        return _Forward(reqs, sampling, logits, grammar)
+        return _Forward(reqs, sampling, logits, grammar, batch.req_pool_indices)
 
     def _grammar_rows(self, reqs: list[Req], sampling: list[Req]) -> list[tuple[int, Req]]:
         samples = {id(r) for r in sampling}  # a set: list membership is quadratic in the batch size
@@ -440,11 +461,10 @@ class Scheduler:
         refills waits for that fill; the others are asked for now (with the accepts queued since the last step)."""
         if not rows:
             return masks
-        masks = masks or _Masks()
-        pairs, step = self.grammar.masks_for([(i, r.rid) for i, r in rows])
-        masks.pairs += pairs
-        masks.step = max(masks.step, step)
-        return masks
+        pairs, step = self.grammar.masks_for([i for i, _ in rows], [r.rid for _, r in rows])
+        if masks is None:
+            return _Masks(step, pairs)  # the client's own list: the mask applier recognises it next step
+        return _Masks(max(masks.step, step), masks.pairs + pairs)
 
     def _begin_grammar(self, fwd: _Forward) -> tuple[_Masks | None, list[tuple[int, Req]]]:
         """Overlap: the masks of this step's constrained rows (refilled through the token feed, or asked for now).
@@ -458,31 +478,45 @@ class Scheduler:
         rows, not_started = [], []
         for i, r in candidates:
             if r.grammar is not None and r.finished is None:
-                (rows if r.constrained else not_started).append((i, r))
+                (rows if r.grammar_started else not_started).append((i, r))
         return self._masks_for(rows), not_started
 
     def _launch_sampling(self, fwd: _Forward, grammar: _Masks | None) -> _Sampled:
         """Apply grammar masks and queue sampling; the sampled ids go to `last_tokens` on the device (and, under
-        overlap, the constrained rows' ids to the grammar process)."""
+        overlap, the constrained rows' ids to the grammar processes through the token feed)."""
+        # Rows of requests that finished meanwhile (overlap, aborts) are dropped. A request that a grammar
+        # rejection finishes while its masks are awaited below still samples (its token is then ignored): the
+        # rows, and the feed's positions in them, are fixed before the wait.
+        if fwd.sampling is fwd.reqs:
+            rows = [i for i, r in enumerate(fwd.reqs) if r.finished is None]
+        else:
+            samples = {id(r) for r in fwd.sampling}
+            rows = [i for i, r in enumerate(fwd.reqs) if id(r) in samples and r.finished is None]
+        if not rows:
+            if grammar is not None:
+                self._apply_grammar(fwd, grammar)
+            return _Sampled([], PendingSample(torch.empty(0, dtype=torch.long)))
+        reqs = fwd.reqs if len(rows) == len(fwd.reqs) else [fwd.reqs[i] for i in rows]
+        feed_step = None
+        if self.grammar is not None and self.grammar.feeding:
+            # Announced before the wait below, so the grammar processes know the rows before the ids land.
+            positions = [pos for pos, r in enumerate(reqs) if r.grammar_started]
+            feed_step = self.grammar.announce_feed(len(reqs), positions, [reqs[p].rid for p in positions])
+            self.phases.lap("grammar_feed")
         if grammar is not None:
             self._apply_grammar(fwd, grammar)
             self.phases.lap("grammar_apply")
-        samples = {id(r) for r in fwd.sampling}
-        # Rows of requests that finished meanwhile (overlap, aborts, grammar errors) are dropped.
-        rows = [i for i, r in enumerate(fwd.reqs) if id(r) in samples and r.finished is None]
-        reqs = [fwd.reqs[i] for i in rows]
-        if not rows:
-            return _Sampled([], PendingSample(torch.empty(0, dtype=torch.long)))
         logits = fwd.logits if len(rows) == len(fwd.reqs) else fwd.logits[self._to_device(rows)]
-        want_lp = [r.top_logprobs if r.return_logprob else -1 for r in reqs]
-        pending = self.sampler.launch(logits, [r.sampling_row() for r in reqs], max(want_lp))
-        self.last_tokens[self._to_device([r.req_pool_idx for r in reqs])] = pending.token_ids
-        fed = False
-        if self.grammar is not None and self.grammar.feeding:
-            self.phases.lap("launch_sampling")
-            fed = self.grammar.feed(pending.token_ids, [(r.rid, pos) for pos, r in enumerate(reqs) if r.constrained])
-            self.phases.lap("grammar_feed")
-        return _Sampled(reqs, pending, fed)
+        if all(r.plain_greedy for r in reqs):
+            pending = self.sampler.launch_greedy(logits)
+        else:
+            want_lp = [r.top_logprobs if r.return_logprob else -1 for r in reqs]
+            pending = self.sampler.launch(logits, [r.sampling_row() for r in reqs], max(want_lp))
+        pool_rows = fwd.pool_rows if reqs is fwd.reqs else self._to_device([r.req_pool_idx for r in reqs])
+        self.last_tokens[pool_rows] = pending.token_ids
+        if feed_step:
+            self.grammar.publish_feed(feed_step, pending.token_ids)
+        return _Sampled(reqs, pending, fed=feed_step is not None)
 
     def _read_tokens(self, sampled: _Sampled) -> list[Req]:
         """Wait for a step's sampled tokens and record them (plain schedule)."""
@@ -507,17 +541,18 @@ class Scheduler:
         if result is None:
             return []
         got = []
+        tokenizer, context_length = self.tokenizer, self.context_length
         for i, (req, tok) in enumerate(zip(sampled.reqs, result.token_ids)):
             if req.finished is not None:  # aborted while its token was in flight
                 continue
-            req.append_token(tok, self.tokenizer, self.context_length)
-            self.stats["generation_tokens"] += 1
+            req.append_token(tok, tokenizer, context_length)
             if req.return_logprob:
                 top = result.top_logprobs[i][: req.top_logprobs] if result.top_logprobs else []
                 req.pending_logprobs.append(TokenLogprob(tok, result.logprobs[i], top))
             if req.finished is not None and req.req_pool_idx is None and req in self.waiting:
                 self.waiting.remove(req)  # retracted while its last token was in flight
             got.append(req)
+        self.stats["generation_tokens"] += len(got)
         self.phases.lap("record_tokens")
         return got
 
@@ -532,20 +567,22 @@ class Scheduler:
         self.grammar.apply(fwd.logits, masks.pairs)
 
     def _output(self, reqs: list[Req]) -> BatchTokenOut:
-        out = BatchTokenOut([], [], [], [], [], [], [], [], [])
+        # One comprehension per field: this runs every step for every running request.
+        out = BatchTokenOut(
+            rids=[r.rid for r in reqs],
+            new_token_ids=[r.output_ids[r.sent_tokens:] for r in reqs],
+            finished=[r.finished for r in reqs],
+            prompt_tokens=[r.prompt_len for r in reqs],
+            completion_tokens=[len(r.output_ids) for r in reqs],
+            cached_tokens=[r.cached_tokens for r in reqs],
+            logprobs=[r.pending_logprobs if r.return_logprob else None for r in reqs],
+            stop_strs=[r.params.stop for r in reqs],
+            skip_special_tokens=[r.params.skip_special_tokens for r in reqs],
+            grammar_backends=[r.grammar_backend for r in reqs])
         for req in reqs:
-            out.rids.append(req.rid)
-            out.new_token_ids.append(req.output_ids[req.sent_tokens:])
             req.sent_tokens = len(req.output_ids)
-            out.finished.append(req.finished)
-            out.prompt_tokens.append(req.prompt_len)
-            out.completion_tokens.append(len(req.output_ids))
-            out.cached_tokens.append(req.cached_tokens)
-            out.logprobs.append(req.pending_logprobs if req.return_logprob else None)
-            req.pending_logprobs = []
-            out.stop_strs.append(req.params.stop)
-            out.skip_special_tokens.append(req.params.skip_special_tokens)
-            out.grammar_backends.append(req.grammar_backend)
+            if req.return_logprob:
+                req.pending_logprobs = []
             if req.finished is not None:
                 self._release(req)
                 if req.grammar is not None and self.grammar is not None:
