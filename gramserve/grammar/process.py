@@ -46,6 +46,13 @@ class FedRows:
         return cls(msg.fill, msg.fed, [pos for _, pos in msg.fed], [rid for rid, _ in msg.fed])
 
 
+@dataclass
+class ShardState:
+    """What one grammar process keeps between step messages."""
+
+    last_fed: FedRows | None = None
+
+
 def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard: int = 0) -> None:
     """Entry point (multiprocessing spawn) of grammar process `shard`. args.grammar_shm names the bitmask shared
     memory."""
@@ -76,7 +83,7 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     busy_until = 0.0  # poll without sleeping until then (GrammarStepReq.busy_poll_ms)
-    last_fed: list[FedRows | None] = [None]
+    state = ShardState()
     try:
         while True:
             # Poll quickly while compiles are in flight, so their results go out promptly.
@@ -87,7 +94,7 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard:
                         msg = inbox.recv_pyobj(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    handle(service, msg, to_scheduler, feed, shard, last_fed)
+                    handle(service, msg, to_scheduler, feed, shard, state)
                     if isinstance(msg, GrammarStepReq) and msg.busy_poll_ms:
                         busy_until = time.monotonic() + msg.busy_poll_ms / 1e3
             for resp in service.poll_compiles():
@@ -100,19 +107,19 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard:
 
 
 def handle(service: GrammarService, msg, to_scheduler: zmq.Socket, feed: FeedReader, shard: int = 0,
-           last_fed: list[FedRows | None] | None = None) -> None:
-    """Answer one message. `last_fed` ([FedRows or None]) carries this process's last fed rows between calls."""
-    last_fed = last_fed if last_fed is not None else [None]
+           state: ShardState | None = None) -> None:
+    """Answer one message; `state` is this process's, kept between calls."""
+    state = state if state is not None else ShardState()
     if isinstance(msg, GrammarStepReq):
         try:
             rows = None
             if msg.repeat_fed:
-                rows = last_fed[0]
+                rows = state.last_fed
                 if rows is None:
                     raise RuntimeError(f"step {msg.step} repeats the fed rows, but none were sent before")
                 msg.fill, msg.fed = rows.fill, rows.fed
             elif msg.fed:
-                rows = last_fed[0] = FedRows.of(msg)
+                rows = state.last_fed = FedRows.of(msg)
             if rows is not None:
                 ids = feed.wait(msg.step, rows.positions, busy=msg.busy_poll_ms > 0, timeout_s=FEED_TIMEOUT_S)
                 msg.accept = msg.accept + list(zip(rows.rids, ids))

@@ -95,17 +95,20 @@ class Sampler:
         return pending
 
     def launch_greedy(self, logits: torch.Tensor) -> PendingSample:
-        """`launch` for a batch whose every row is plain greedy (no penalties, bias, bans or logprobs): one argmax
-        over the real vocabulary and one copy of the ids to the host, with no per-row work."""
-        width = self.pad_columns.start if self.pad_columns is not None else logits.shape[-1]
-        pending = PendingSample(logits[:, :width].argmax(dim=-1))
+        """`launch` for a batch whose every row is plain greedy (no penalties, bias, bans or logprobs), with no
+        per-row work."""
+        pending = self._argmax(logits)
         pending.start_copy()
         return pending
 
+    def _argmax(self, logits: torch.Tensor) -> PendingSample:
+        # The common serving case: one argmax over the real vocabulary and one copy of the ids to the host.
+        width = self.pad_columns.start if self.pad_columns is not None else logits.shape[-1]
+        return PendingSample(logits[:, :width].argmax(dim=-1))
+
     def _launch(self, logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int) -> PendingSample:
         if num_top_logprobs < 0 and all(_plain_greedy(r) for r in rows):
-            width = self.pad_columns.start if self.pad_columns is not None else logits.shape[-1]
-            return PendingSample(logits[:, :width].argmax(dim=-1))
+            return self._argmax(logits)
         logits = logits.clone()
         if self.pad_columns is not None:
             logits[:, self.pad_columns] = float("-inf")
