@@ -35,6 +35,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def raw_argmax(self) -> bool:
+        """Greedy with no penalties or logit bias: the token is the argmax of the model's own logits."""
+        return (self.greedy and not self.logit_bias and not self.frequency_penalty and not self.presence_penalty
+                and self.repetition_penalty == 1.0)
+
     def validate(self, vocab_size: int) -> None:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise SamplingParamsError("max_tokens must be at least 1", "max_tokens")

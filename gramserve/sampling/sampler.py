@@ -72,9 +72,7 @@ class PendingSample:
 
 
 def _plain_greedy(r: SamplingRow) -> bool:
-    p = r.params
-    return (p.greedy and not r.suppress_ids and not p.logit_bias and not p.frequency_penalty
-            and not p.presence_penalty and p.repetition_penalty == 1.0)
+    return r.params.raw_argmax and not r.suppress_ids
 
 
 class Sampler:

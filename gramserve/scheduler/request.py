@@ -42,10 +42,9 @@ class Req:
         self.grammar_started = msg.grammar is not None and not msg.grammar.start_after
         max_stop = max((len(s) for s in self.params.stop), default=0)
         self._stop_tail_tokens = max_stop + 2
-        # Sampled by one argmax with no per-request work (most structured-output traffic): the sampler's fast path.
-        p = self.params
-        self.plain_greedy = (p.greedy and not p.logit_bias and not p.frequency_penalty and not p.presence_penalty
-                             and p.repetition_penalty == 1.0 and p.min_new_tokens == 0 and not self.return_logprob)
+        # Sampled by one argmax with no per-request work at every step (no EOS ban before min_tokens, no logprobs):
+        # the sampler's fast path (`Sampler.launch_greedy`).
+        self.plain_greedy = self.params.raw_argmax and self.params.min_new_tokens == 0 and not self.return_logprob
 
     @property
     def fill_ids(self) -> list[int]:

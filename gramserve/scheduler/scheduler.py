@@ -452,9 +452,16 @@ class Scheduler:
                 self.running.append(req)
         return _Forward(reqs, sampling, logits, grammar, batch.req_pool_indices)
 
-    def _grammar_rows(self, reqs: list[Req], sampling: list[Req]) -> list[tuple[int, Req]]:
+    @staticmethod
+    def _sampling_rows(reqs: list[Req], sampling: list[Req]):
+        """(logits row, request) of each request in `reqs` that samples this step."""
+        if sampling is reqs:  # a decode batch: every row samples
+            return enumerate(reqs)
         samples = {id(r) for r in sampling}  # a set: list membership is quadratic in the batch size
-        return [(i, r) for i, r in enumerate(reqs) if r.constrained and r.finished is None and id(r) in samples]
+        return ((i, r) for i, r in enumerate(reqs) if id(r) in samples)
+
+    def _grammar_rows(self, reqs: list[Req], sampling: list[Req]) -> list[tuple[int, Req]]:
+        return [(i, r) for i, r in self._sampling_rows(reqs, sampling) if r.constrained and r.finished is None]
 
     def _masks_for(self, rows: list[tuple[int, Req]], masks: _Masks | None = None) -> _Masks | None:
         """Masks for these (logits row, request) pairs, added to `masks`: a request whose slot the token feed
@@ -470,13 +477,8 @@ class Scheduler:
         """Overlap: the masks of this step's constrained rows (refilled through the token feed, or asked for now).
         Rows of requests that finish with the token being recorded get masks too, and are then dropped.
         Also returns the (row, request) pairs whose grammar has not started yet (waiting for `start_after`)."""
-        if fwd.sampling is fwd.reqs:  # a decode batch: every row samples
-            candidates = enumerate(fwd.reqs)
-        else:
-            samples = {id(r) for r in fwd.sampling}
-            candidates = ((i, r) for i, r in enumerate(fwd.reqs) if id(r) in samples)
         rows, not_started = [], []
-        for i, r in candidates:
+        for i, r in self._sampling_rows(fwd.reqs, fwd.sampling):
             if r.grammar is not None and r.finished is None:
                 (rows if r.grammar_started else not_started).append((i, r))
         return self._masks_for(rows), not_started
@@ -487,11 +489,7 @@ class Scheduler:
         # Rows of requests that finished meanwhile (overlap, aborts) are dropped. A request that a grammar
         # rejection finishes while its masks are awaited below still samples (its token is then ignored): the
         # rows, and the feed's positions in them, are fixed before the wait.
-        if fwd.sampling is fwd.reqs:
-            rows = [i for i, r in enumerate(fwd.reqs) if r.finished is None]
-        else:
-            samples = {id(r) for r in fwd.sampling}
-            rows = [i for i, r in enumerate(fwd.reqs) if id(r) in samples and r.finished is None]
+        rows = [i for i, r in self._sampling_rows(fwd.reqs, fwd.sampling) if r.finished is None]
         if not rows:
             if grammar is not None:
                 self._apply_grammar(fwd, grammar)
