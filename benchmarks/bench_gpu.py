@@ -195,9 +195,11 @@ class Engine:
                 raise RuntimeError(msg["error"])
         return TimedGrammarClient(self.args, zmq.Context())
 
-    def add(self, prompt: list[int], max_new: int, grammar: bool = False) -> None:
+    def add(self, prompt: list[int], max_new: int, grammar: bool = False, **sampling) -> None:
+        """One request, greedy unless `sampling` sets other SamplingParams (temperature, top_p, ...)."""
         self._rid += 1
-        params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=not grammar)
+        sampling.setdefault("temperature", 0.0)
+        params = SamplingParams(max_new_tokens=max_new, ignore_eos=not grammar, **sampling)
         g = GrammarRequest("json_schema", SCHEMA, backend="xgrammar") if grammar else None
         self.sched.add_request(TokenizedGenerateReq(f"r{self._rid}", prompt, params, grammar=g))
 

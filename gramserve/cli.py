@@ -20,7 +20,11 @@ def main(argv: list[str] | None = None) -> None:
             ns.model_path = ns.model_pos
         from gramserve.server.launch import main as launch_main
 
-        launch_main(ServerArgs.from_cli_args(ns))
+        try:
+            args = ServerArgs.from_cli_args(ns)
+        except ValueError as exc:  # a combination argparse cannot check alone: a usage error, exit status 2
+            serve.error(str(exc))
+        launch_main(args)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ class ServerArgs:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16
     attention_backend: str = "auto"  # auto | torch | flashinfer | triton | flashinfer_triton (see --help)
+    sampling_backend: str = "auto"  # auto (flashinfer on CUDA when installed) | torch | flashinfer
     context_length: int | None = None  # defaults to the model's max_position_embeddings
     kv_cache_memory_gb: float | None = None  # KV pool budget; default: a share of free memory
     mem_fraction_static: float = 0.85  # GPU: fraction of device memory for weights + KV
@@ -114,6 +115,8 @@ class ServerArgs:
             self.grammar_shards = min(defaults.max_grammar_shards, max(1, available_cores() // 4))
         elif self.grammar_shards < 1:
             raise ValueError(f"grammar_shards must be at least 1, got {self.grammar_shards}")
+        if self.sampling_backend == "flashinfer" and device_kind(self.device) != "cuda":
+            raise ValueError("--sampling-backend flashinfer needs a CUDA device")
 
     @property
     def model_name(self) -> str:
@@ -147,6 +150,11 @@ class ServerArgs:
                             choices=["auto", "torch", "flashinfer", "triton", "flashinfer_triton"],
                             help="auto: on CUDA FlashInfer prefill + Triton decode (flashinfer_triton) when both "
                                  "are installed and the dtype is 16-bit, else triton; on CPU torch")
+        parser.add_argument("--sampling-backend", default=defaults.sampling_backend,
+                            choices=["auto", "torch", "flashinfer"],
+                            help="random sampling (temperature > 0): flashinfer samples top-k / top-p without "
+                                 "sorting the vocabulary (seeded and min_p rows use torch); auto: flashinfer on "
+                                 "CUDA when installed, else torch")
         parser.add_argument("--context-length", type=int, default=None)
         parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
         parser.add_argument("--mem-fraction-static", type=float, default=defaults.mem_fraction_static,

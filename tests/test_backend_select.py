@@ -76,3 +76,19 @@ def test_greedy_fast_path_matches_full_path():
     full = sampler.sample(logits, rows, num_top_logprobs=0)  # logprobs take the full path
     assert fast.token_ids == full.token_ids == logits[:, :32].argmax(-1).tolist()
     assert fast.logprobs is None
+
+
+def test_sampling_backend_choice(capsys):
+    from gramserve.cli import main
+    from gramserve.sampling.flashinfer_sampling import resolve_sampling_backend
+
+    assert resolve_sampling_backend("auto", torch.device("cpu")) == "torch"
+    assert Sampler(40, 32, torch.device("cpu")).kernels is None
+    with pytest.raises(ValueError, match="CUDA"):
+        resolve_sampling_backend("flashinfer", torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown sampling backend"):
+        resolve_sampling_backend("sorted", torch.device("cpu"))
+    # The command line refuses flashinfer sampling on the CPU with a usage error, before anything starts.
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--device", "cpu", "--sampling-backend", "flashinfer"])
+    assert exc.value.code == 2 and "needs a CUDA device" in capsys.readouterr().err

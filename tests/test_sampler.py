@@ -225,6 +225,24 @@ def test_different_seeds_differ(sampler):
     assert a != b
 
 
+def test_row_chunks_give_the_same_tokens(sampler, monkeypatch):
+    """The torch path samples large batches in row chunks (bounded temporaries): seeded rows draw the same tokens
+    whether their batch is cut into chunks or not, and the rows keep their order."""
+    import gramserve.sampling.sampler as sampler_module
+
+    logits = rand_logits(5, b=10, scale=1.0)
+    params = [SamplingParams(temperature=0.9, top_p=0.8, top_k=30 - i, seed=i) for i in range(10)]
+
+    def run() -> list[int]:
+        rows = [row(p, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
+        return sampler.sample(logits.clone(), rows).token_ids
+
+    whole = run()
+    monkeypatch.setattr(sampler_module, "TORCH_CHUNK_LOGITS", 3 * V)  # chunks of 3, 3, 3 and 1 rows
+    assert run() == whole
+    assert len(set(whole)) > 3
+
+
 # ---------------------------------------------------------------- penalties
 
 

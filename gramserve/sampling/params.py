@@ -36,10 +36,15 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def edits_logits(self) -> bool:
+        """Penalties or a logit bias: the sampler changes the model's logits before choosing."""
+        return bool(self.logit_bias or self.frequency_penalty or self.presence_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
     def raw_argmax(self) -> bool:
         """Greedy with no penalties or logit bias: the token is the argmax of the model's own logits."""
-        return (self.greedy and not self.logit_bias and not self.frequency_penalty and not self.presence_penalty
-                and self.repetition_penalty == 1.0)
+        return self.greedy and not self.edits_logits
 
     def validate(self, vocab_size: int) -> None:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:

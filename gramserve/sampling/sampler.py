@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gramserve.sampling.flashinfer_sampling import resolve_sampling_backend
 from gramserve.sampling.params import SamplingParams
 
 
@@ -71,16 +72,37 @@ class PendingSample:
         return SampleResult(ids.tolist(), logprobs, top)
 
 
+TORCH_CHUNK_LOGITS = 1 << 24  # logits per chunk of the torch sampling path (64 MB a float32 temporary)
+
+
 def _plain_greedy(r: SamplingRow) -> bool:
     return r.params.raw_argmax and not r.suppress_ids
 
 
+def _edits_logits(r: SamplingRow) -> bool:
+    """Whether this row's penalties, bias or banned ids change its logits in place."""
+    return r.params.edits_logits or bool(r.suppress_ids)
+
+
 class Sampler:
-    def __init__(self, vocab_size: int, tokenizer_vocab_size: int, device: torch.device):
+    def __init__(self, vocab_size: int, tokenizer_vocab_size: int, device: torch.device, backend: str = "auto"):
         self.vocab_size = vocab_size
         self.device = device
         # Logit columns past the tokenizer's vocabulary (padded embeddings) are never sampled.
         self.pad_columns = slice(tokenizer_vocab_size, vocab_size) if tokenizer_vocab_size < vocab_size else None
+        self.backend = resolve_sampling_backend(backend, device)
+        self.kernels = None  # sort-free kernels for unseeded random rows (CUDA); None: the torch path for all
+        if self.backend == "flashinfer":
+            from gramserve.sampling.flashinfer_sampling import FlashInferSampling
+
+            self.kernels = FlashInferSampling(device)
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Build FlashInfer's sampling kernels now (a JIT compile on a fresh machine), not on a first request."""
+        logits = torch.zeros(1, self.vocab_size, device=self.device)
+        for top_p, top_k in ((0.9, 50), (0.9, -1), (1.0, 50), (1.0, -1)):  # each of the four kernel paths
+            self.sample(logits, [SamplingRow(SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k), [], [], None)])
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int = -1) -> SampleResult:
         """logits: [B, V] float32. num_top_logprobs < 0 skips logprob computation."""
@@ -107,7 +129,8 @@ class Sampler:
     def _launch(self, logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int) -> PendingSample:
         if num_top_logprobs < 0 and all(_plain_greedy(r) for r in rows):
             return self._argmax(logits)
-        logits = logits.clone()
+        if self.pad_columns is not None or any(_edits_logits(r) for r in rows):
+            logits = logits.clone()  # the caller's logits stay as they were
         if self.pad_columns is not None:
             logits[:, self.pad_columns] = float("-inf")
         self._apply_penalties(logits, rows)
@@ -120,8 +143,10 @@ class Sampler:
         if all(r.params.greedy for r in rows):
             next_ids = logits.argmax(dim=-1)
         else:
-            greedy = self._column([r.params.greedy for r in rows], torch.bool)
-            next_ids = self._sample_random(logits, rows, temps, greedy)
+            greedy = [r.params.greedy for r in rows]
+            next_ids = self._sample_random(logits, rows, temps)
+            if any(greedy):
+                next_ids = torch.where(self._column(greedy, torch.bool), logits.argmax(dim=-1), next_ids)
 
         pending = PendingSample(next_ids)
         if num_top_logprobs >= 0:
@@ -163,8 +188,41 @@ class Sampler:
             if r.suppress_ids:
                 logits[i, self._column(list(r.suppress_ids), torch.long)] = float("-inf")
 
-    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow], temps: list[float],
-                       greedy: torch.Tensor) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow], temps: list[float]) -> torch.Tensor:
+        """A draw for every row (greedy rows' draws are replaced by the caller)."""
+        if self.kernels is None:
+            return self._sample_torch(logits, rows, temps)
+        return self._sample_kernels(logits, rows, temps)
+
+    def _sample_kernels(self, logits: torch.Tensor, rows: list[SamplingRow], temps: list[float]) -> torch.Tensor:
+        """Unseeded random rows through the sort-free kernels; seeded and min_p rows through the torch path."""
+        own = [i for i, r in enumerate(rows)
+               if not r.params.greedy and (r.generator is not None or r.params.min_p > 0)]
+        if len(own) == len(rows):
+            return self._sample_torch(logits, rows, temps)
+        # Greedy rows take the argmax afterwards; temperature 1 keeps their softmax finite meanwhile.
+        t = self._column([x if x > 0 else 1.0 for x in temps], torch.float32)
+        top_k = [r.params.top_k if 0 < r.params.top_k < self.vocab_size else self.vocab_size for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        sampled = self.kernels.sample(
+            logits, t,
+            self._column(top_k, torch.int32) if any(k < self.vocab_size for k in top_k) else None,
+            self._column(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None)
+        if own:
+            idx = self._column(own, torch.long)
+            sampled[idx] = self._sample_torch(logits[idx], [rows[i] for i in own], [temps[i] for i in own])
+        return sampled
+
+    def _sample_torch(self, logits: torch.Tensor, rows: list[SamplingRow], temps: list[float]) -> torch.Tensor:
+        """In row chunks: a top-k / top-p sort makes several [rows, vocab] temporaries (about 30 bytes a logit),
+        which for a thousand rows of a 128k vocabulary would not fit beside a full GPU's KV pool."""
+        step = max(1, TORCH_CHUNK_LOGITS // logits.shape[-1])
+        if len(rows) <= step:
+            return self._sample_torch_rows(logits, rows, temps)
+        return torch.cat([self._sample_torch_rows(logits[i:i + step], rows[i:i + step], temps[i:i + step])
+                          for i in range(0, len(rows), step)])
+
+    def _sample_torch_rows(self, logits: torch.Tensor, rows: list[SamplingRow], temps: list[float]) -> torch.Tensor:
         t = self._column([max(x, 1e-5) for x in temps], logits.dtype)
         probs = torch.softmax(logits / t[:, None], dim=-1)
         probs = self._filter(probs, rows)
@@ -174,8 +232,7 @@ class Sampler:
                 # Seeded noise is drawn on the CPU (where the request's generator lives), so a seed gives
                 # the same tokens on every device.
                 noise[i] = torch.empty(probs.shape[-1]).exponential_(generator=r.generator).to(noise.device, non_blocking=True)
-        sampled = (probs / noise).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return (probs / noise).argmax(dim=-1)
 
     def _filter(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         top_k = [r.params.top_k if r.params.top_k > 0 else self.vocab_size for r in rows]

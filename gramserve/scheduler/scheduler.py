@@ -130,7 +130,7 @@ class Scheduler:
         self.allocator = TokenSlotAllocator(info.max_total_tokens, self.device)
         self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length, self.device)
         self.runner.init_cuda_graphs(self.req_pool.table)  # GPU: decode graphs read this table
-        self.sampler = Sampler(info.vocab_size, len(tokenizer), self.device)
+        self.sampler = Sampler(info.vocab_size, len(tokenizer), self.device, args.sampling_backend)
         self.eos_ids = set(args.eos_token_ids or info.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
@@ -626,6 +626,7 @@ class Scheduler:
     def server_info(self) -> dict:
         return {
             "runner": self.runner.info.__dict__,
+            "sampling_backend": self.sampler.backend,
             "kv_pool": {
                 "total_slots": self.allocator.size,
                 "free_slots": self.allocator.num_free,
