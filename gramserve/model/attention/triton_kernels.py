@@ -4,7 +4,7 @@
   prefix + new KV slots through req_to_token with an online softmax and a causal mask offset by the prefix.
 * `decode_attention`: split-KV ("flash decoding"): one program per (request, KV head, split) handles all the
   query heads of its GQA group with one matrix product per KV block; a second kernel merges the splits by
-  their log-sum-exp. Grid sizes depend only on the batch size, so decode can be captured in a CUDA graph.
+  their log-sum-exp (with one split, the split kernel writes the output itself). Grid sizes depend only on the batch size, so decode can be captured in a CUDA graph.
 fp32 inputs use IEEE fp32 products (no tf32), so float32 runs match the torch backend closely.
 """
 
@@ -69,8 +69,8 @@ def _extend_kernel(Q, K, V, O, table, table_stride, rows, qo_start, prefix_lens,
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, Mid, Lse, table, table_stride, rows, seq_lens, scale,
-                         stride_qb, stride_qh, stride_ks, stride_kh,
+def _decode_split_kernel(Q, K, V, Mid, Lse, O, table, table_stride, rows, seq_lens, scale,
+                         stride_qb, stride_qh, stride_ks, stride_kh, stride_ob, stride_oh,
                          NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
                          BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0)
@@ -112,10 +112,14 @@ def _decode_split_kernel(Q, K, V, Mid, Lse, table, table_stride, rows, seq_lens,
         m_i = m_new
     has = l_i > 0
     out = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0)
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    mid_row = (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [B, Hq, NUM_SPLITS]
-    tl.store(Mid + mid_row[:, None] * D + offs_d[None, :], out, mask=h_valid[:, None])
-    tl.store(Lse + mid_row, lse, mask=h_valid)
+    if NUM_SPLITS == 1:  # the whole sequence in one program: its result is final, no merge
+        o_ptr = O + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptr, out.to(O.dtype.element_ty), mask=h_valid[:, None])
+    else:
+        lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+        mid_row = (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [B, Hq, NUM_SPLITS]
+        tl.store(Mid + mid_row[:, None] * D + offs_d[None, :], out, mask=h_valid[:, None])
+        tl.store(Lse + mid_row, lse, mask=h_valid)
 
 
 @triton.jit
@@ -155,11 +159,14 @@ def decode_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
     return min(16, triton.next_power_of_2(want))
 
 
-def decode_tile(programs: int, ieee: bool) -> int:
-    """KV tokens per tile of the decode kernel. On an H100 (benchmarks/bench_decode_kernel.py), with 2,048 or more
-    (request, KV head) programs 32 came within 1% of the fastest of 72 tile/warp/stage/split variants where 64 was
-    up to 5% slower; with fewer, 64 was faster (batch 32: 69 vs 81 us)."""
-    return 32 if ieee or programs >= 2048 else 64
+def decode_tile(programs: int, ieee: bool) -> tuple[int, int]:
+    """(KV tokens per tile, warps) of the decode kernel for a grid of `programs` (request, KV head) programs.
+    On an H100 (benchmarks/bench_decode_kernel.py, 72 tile / warp / stage / split variants per shape): from 1,024
+    programs on (batch 128 at 8 KV heads), 32-token tiles on 2 warps came within 0.5% of the fastest variant,
+    where 4 warps were up to 5% slower (batch 256: 245 vs 232 us); below, 64-token tiles on 4 warps."""
+    if ieee:
+        return 32, 4
+    return (32, 2) if programs >= 1024 else (64, 4)
 
 
 def decode_attention(q, k_buf, v_buf, out, req_to_token, rows, seq_lens, scale: float, num_splits: int) -> None:
@@ -168,12 +175,18 @@ def decode_attention(q, k_buf, v_buf, out, req_to_token, rows, seq_lens, scale: 
     hkv = k_buf.shape[1]
     group = hq // hkv
     ieee = q.dtype == torch.float32
-    mid = torch.empty((bs, hq, num_splits, d), dtype=torch.float32, device=q.device)
-    lse = torch.empty((bs, hq, num_splits), dtype=torch.float32, device=q.device)
+    block_n, warps = decode_tile(bs * hkv, ieee)
+    if num_splits == 1:  # the split kernel writes `out` itself (mid / lse unused)
+        mid = lse = out
+    else:
+        mid = torch.empty((bs, hq, num_splits, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((bs, hq, num_splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bs, hkv, num_splits)](
-        q, k_buf, v_buf, mid, lse, req_to_token, req_to_token.stride(0), rows, seq_lens, scale,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
+        q, k_buf, v_buf, mid, lse, out, req_to_token, req_to_token.stride(0), rows, seq_lens, scale,
+        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=d,
-        BLOCK_N=decode_tile(bs * hkv, ieee), IEEE=ieee, num_warps=4, num_stages=2)
+        BLOCK_N=block_n, IEEE=ieee, num_warps=warps, num_stages=2)
+    if num_splits == 1:
+        return
     _decode_merge_kernel[(bs, hq)](mid, lse, out, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
                                    SPLITS_P2=max(2, triton.next_power_of_2(num_splits)), D=d, num_warps=4)
