@@ -54,7 +54,8 @@ def bench_kernel() -> dict:
             ms = {name: step_ms(s, logits, rows) for name, s in samplers.items()}
             out[f"bs {bs}, {case}"] = {**{k: round(v, 3) for k, v in ms.items()},
                                        "speedup": round(ms["torch"] / ms["flashinfer"], 1)}
-            print(f"bs {bs:5d} {case:24s} torch {ms['torch']:8.3f} ms  flashinfer {ms['flashinfer']:7.3f} ms", flush=True)
+            print(f"bs {bs:5d} {case:24s} torch {ms['torch']:8.3f} ms  flashinfer {ms['flashinfer']:7.3f} ms",
+                  flush=True)
     return out
 
 

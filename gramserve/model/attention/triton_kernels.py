@@ -4,7 +4,8 @@
   prefix + new KV slots through req_to_token with an online softmax and a causal mask offset by the prefix.
 * `decode_attention`: split-KV ("flash decoding"): one program per (request, KV head, split) handles all the
   query heads of its GQA group with one matrix product per KV block; a second kernel merges the splits by
-  their log-sum-exp (with one split, the split kernel writes the output itself). Grid sizes depend only on the batch size, so decode can be captured in a CUDA graph.
+  their log-sum-exp (with one split, the split kernel writes the output itself). Grid sizes depend only on the
+  batch size, so decode can be captured in a CUDA graph.
 fp32 inputs use IEEE fp32 products (no tf32), so float32 runs match the torch backend closely.
 """
 
