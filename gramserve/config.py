@@ -15,6 +15,7 @@ class DeviceDefaults:
     max_running_requests: int
     chunked_prefill_size: int
     cuda_graph_max_bs: int
+    max_consecutive_prefills: int  # while requests decode, prefill steps between two decode steps (0: no limit)
     # GrammarBackend processes, each accepting tokens and filling masks for its share of the constrained
     # requests: at most this many, and one per four cores.
     max_grammar_shards: int
@@ -23,15 +24,19 @@ class DeviceDefaults:
 DEVICE_DEFAULTS = {
     # 2-core CI machines: small prefill chunks keep decode steps flowing between them.
     # One grammar process: the model's forward needs the cores.
+    # A 512-token chunk is a long step on a CPU: one chunk, then a decode step for the running streams.
     "cpu": DeviceDefaults(max_running_requests=256, chunked_prefill_size=512, cuda_graph_max_bs=256,
-                          max_grammar_shards=1),
+                          max_consecutive_prefills=1, max_grammar_shards=1),
     # H100-class: measured in benchmarks/bench_gpu.py (docs/benchmarks.md). The 8B's 1,000-request run keeps ~1,000
     # requests running at its peak; decode graphs up to 1,024 beat eager steps above 512 (27 vs 33 ms a step).
     # xgrammar's accept and fill hold the GIL and its batch fill starts fresh threads on every call, so one process
     # does not scale past a few cores: on the 16-core H100 host 256 rows took 2.4 ms a step in one process, 1.3 ms
     # in each of 4 (the 1B's constrained step: 4.2 -> 3.6 ms); 8 processes slowed the scheduler's own steps.
+    # Prefill first while requests wait (as SGLang): the 8B's 1,000-request burst ran 512 decode steps instead of
+    # 560 and 12,285-12,367 tok/s instead of 11,699-11,832, at the price of stalling the running streams while
+    # the burst's prompts are prefilled (about 5 s there).
     "cuda": DeviceDefaults(max_running_requests=1024, chunked_prefill_size=8192, cuda_graph_max_bs=1024,
-                           max_grammar_shards=8),
+                           max_consecutive_prefills=0, max_grammar_shards=8),
 }
 
 
@@ -75,6 +80,9 @@ class ServerArgs:
     max_running_requests: int | None = None
     max_prefill_tokens: int = 8192  # tokens in one prefill step
     chunked_prefill_size: int | None = None  # long prompts are prefilled in chunks of this many tokens (0: off)
+    # While requests decode, prefill steps allowed between two decode steps (0: no limit, prefill whenever requests
+    # wait, as SGLang does). More: higher throughput under bursts, longer stalls of the running streams.
+    max_consecutive_prefills: int | None = None
     schedule_policy: str = "lpm"  # lpm (longest cached prefix first) | fcfs
     disable_radix_cache: bool = False
     kv_reserve_ratio: float = 0.5  # share of a running request's max_tokens that admission keeps free for it
@@ -108,7 +116,7 @@ class ServerArgs:
 
     def __post_init__(self):
         defaults = DEVICE_DEFAULTS[device_kind(self.device)]
-        for name in ("max_running_requests", "chunked_prefill_size", "cuda_graph_max_bs"):
+        for name in ("max_running_requests", "chunked_prefill_size", "cuda_graph_max_bs", "max_consecutive_prefills"):
             if getattr(self, name) is None:
                 setattr(self, name, getattr(defaults, name))
         if self.grammar_shards is None:
@@ -177,6 +185,11 @@ class ServerArgs:
                             help=f"prompt tokens prefilled per step, 0: no chunking (default: "
                                  f"{DEVICE_DEFAULTS['cuda'].chunked_prefill_size} on CUDA, "
                                  f"{DEVICE_DEFAULTS['cpu'].chunked_prefill_size} on CPU)")
+        parser.add_argument("--max-consecutive-prefills", type=_non_negative_int, default=None,
+                            help="while requests decode, prefill steps (of up to --chunked-prefill-size tokens) "
+                                 "allowed between two decode steps; 0: no limit, prefill whenever requests wait, "
+                                 f"as SGLang (default: {DEVICE_DEFAULTS['cuda'].max_consecutive_prefills} on CUDA, "
+                                 f"{DEVICE_DEFAULTS['cpu'].max_consecutive_prefills} on CPU)")
         parser.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=["lpm", "fcfs"])
         parser.add_argument("--disable-radix-cache", action="store_true")
         parser.add_argument("--kv-reserve-ratio", type=float, default=defaults.kv_reserve_ratio)
@@ -234,6 +247,10 @@ def _int_at_least(value: str, minimum: int, alternative: str = "") -> int:
 
 def _positive_int(value: str) -> int:
     return _int_at_least(value, 1)
+
+
+def _non_negative_int(value: str) -> int:
+    return _int_at_least(value, 0)
 
 
 def _threads_arg(value: str) -> int | str:

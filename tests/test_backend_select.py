@@ -35,11 +35,16 @@ def test_device_defaults_fill_what_the_command_line_leaves_out(monkeypatch):
     for device in ("cpu", "cuda"):
         args = ServerArgs.from_cli_args(parser.parse_args(["--device", device]))
         want = DEVICE_DEFAULTS[device]
-        assert (args.max_running_requests, args.chunked_prefill_size, args.cuda_graph_max_bs) == \
-            (want.max_running_requests, want.chunked_prefill_size, want.cuda_graph_max_bs)
+        assert (args.max_running_requests, args.chunked_prefill_size, args.cuda_graph_max_bs,
+                args.max_consecutive_prefills) == \
+            (want.max_running_requests, want.chunked_prefill_size, want.cuda_graph_max_bs, want.max_consecutive_prefills)
     given = ServerArgs.from_cli_args(parser.parse_args(
         ["--device", "cuda", "--max-running-requests", "64", "--chunked-prefill-size", "0", "--cuda-graph-max-bs", "8"]))
     assert (given.max_running_requests, given.chunked_prefill_size, given.cuda_graph_max_bs) == (64, 0, 8)
+    assert ServerArgs.from_cli_args(parser.parse_args(["--device", "cuda", "--max-consecutive-prefills", "3"])
+                                    ).max_consecutive_prefills == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-consecutive-prefills", "-1"])
     assert DEVICE_DEFAULTS["cuda"].chunked_prefill_size > DEVICE_DEFAULTS["cpu"].chunked_prefill_size
     # Grammar processes: one on CPU; on CUDA one per four cores, at most the cap; as given when given.
     import gramserve.config as config

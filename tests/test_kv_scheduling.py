@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 
 import httpx
+import pytest
 
 from conftest import wait_pool_whole
 from gramserve.config import ServerArgs
@@ -158,3 +159,38 @@ def test_http_queue_limit_is_503(tight_server):
     rejected = next(r for r in responses if r.status_code == 503)
     assert rejected.headers.get("retry-after") and "queue" in rejected.json()["error"]["message"]
     assert wait_pool_whole(url)["used_slots"] == 0
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_max_consecutive_prefills_bounds_the_stall_of_running_streams(tokenizer, overlap):
+    """A request decodes while a long prompt (6 chunks of 16 tokens) and two short ones arrive. With a limit of N,
+    at most N prefill steps run between two decode steps; with 0 the prompts are prefilled back to back, as SGLang.
+    The tokens are the same whatever the limit, in the plain loop and under the overlap schedule (CUDA's
+    default, with no limit)."""
+    sched = Scheduler(ServerArgs(device="cpu", chunked_prefill_size=16, max_consecutive_prefills=1,
+                                 overlap_schedule=overlap, kv_cache_memory_gb=0.05, context_length=256), tokenizer)
+    assert sched.max_consecutive_prefills == 1
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    prompts = {"running": range(500, 510), "long": range(600, 696), "short-a": range(700, 710),
+               "short-b": range(800, 805)}
+    runs = {}
+    for limit in (1, 2, 0):
+        sched.max_consecutive_prefills = limit
+        assert sched.flush_cache()["ok"]  # every run prefills the same prompts from scratch
+        sched.add_request(TokenizedGenerateReq(f"{limit}-running", list(prompts["running"]), params))
+        kinds, outs = [], {}
+        while sched.has_work:
+            if len(kinds) == 2:  # "running" decodes by now
+                for name in ("long", "short-a", "short-b"):
+                    sched.add_request(TokenizedGenerateReq(f"{limit}-{name}", list(prompts[name]), params))
+            out = sched.step()
+            kinds.append("P" if sched._last_was_prefill else "D")
+            for rid, ids in zip(out.rids, out.new_token_ids) if out else ():
+                outs.setdefault(rid.split("-", 1)[1], []).extend(ids)
+        assert sorted(outs) == sorted(prompts) and all(len(v) == 12 for v in outs.values())
+        kinds = "".join(kinds)
+        # "running" alone, then 96 + 10 + 5 prompt tokens in chunks of 16: 6 chunks of "long", then both short ones
+        assert kinds.count("P") == 1 + 7, (limit, kinds)
+        assert max(len(run) for run in kinds.split("D")) == (7 if limit == 0 else limit), (limit, kinds)
+        runs[limit] = outs
+    assert runs[1] == runs[2] == runs[0]

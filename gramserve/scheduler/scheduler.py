@@ -147,6 +147,8 @@ class Scheduler:
         self.chunked: Req | None = None  # the request whose prompt is being prefilled chunk by chunk
         self.finished_early: list[Req] = []  # rejected before running; reported by the next step
         self._last_was_prefill = False
+        self._prefills_in_a_row = 0  # prefill steps since the last decode step
+        self.max_consecutive_prefills = args.max_consecutive_prefills  # while requests decode; 0: no limit
         self.phases = StepPhases()
         self.stats = {"requests_finished": 0, "prompt_tokens": 0, "generation_tokens": 0, "forward_steps": 0,
                       "retractions": 0, "cached_prompt_tokens": 0}
@@ -416,11 +418,14 @@ class Scheduler:
     def _launch_forward(self) -> _Forward | None:
         """Pick a batch and launch its forward (on a GPU the call returns before the forward is done)."""
         picked: list[tuple[Req, int]] = []
-        # Alternate with decode while requests run, so a long prefill never stalls the streams.
-        if not (self.running and self._last_was_prefill):
+        # While requests decode, at most `max_consecutive_prefills` prefill steps run between two decode steps, so
+        # a burst of new prompts stalls the running streams for a bounded time.
+        limit = self.max_consecutive_prefills
+        if not self.running or limit == 0 or self._prefills_in_a_row < limit:
             picked = self._schedule_prefill()
         if picked:
             self._last_was_prefill = True
+            self._prefills_in_a_row += 1
             batch = self._prefill_batch(picked)
             reqs = [r for r, _ in picked]
             # Only requests whose whole prompt is now in the cache sample a token.
@@ -428,6 +433,7 @@ class Scheduler:
             self.stats["prompt_tokens"] += sum(batch.extend_seq_lens_cpu)
         elif any(r.finished is None for r in self.running):
             self._last_was_prefill = False
+            self._prefills_in_a_row = 0
             if self._available_slots() < len(self.running):
                 self._retract_for(len(self.running))
             # Not those finished since the last step's output (a grammar rejection): they leave `running` next.
