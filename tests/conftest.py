@@ -16,6 +16,18 @@ import pytest
 STARTUP_TIMEOUT_S = 300  # the first start converts the GGUF (~25 s); a loaded 2-core CI box is slower
 
 
+def run_in_triton_interpreter(code: str) -> None:
+    """Run `code` in a fresh Python with TRITON_INTERPRET=1, so Triton kernels execute on CPU tensors; the code
+    prints "ok" when its checks pass."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # tests/ too: the code may import test modules, which import this one as `conftest`
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests")])}
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

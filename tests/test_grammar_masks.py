@@ -3,14 +3,12 @@ through Triton's interpreter on CPU tensors (tests/gpu/test_grammar_masks.py run
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
+from conftest import run_in_triton_interpreter
 from gramserve.grammar.backends.base import _torch_apply_bitmask
 from gramserve.sampling.grammar_masks import MaskApplier
 
@@ -67,9 +65,4 @@ KERNEL_CHECK = textwrap.dedent("""
 
 
 def test_triton_kernel_in_the_interpreter():
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
-    run = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=300)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+    run_in_triton_interpreter(KERNEL_CHECK)

@@ -4,12 +4,9 @@ and extend over a cached prefix. tests/gpu/test_gpu_backends.py runs them on a G
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
-import pytest
+from conftest import run_in_triton_interpreter
 
 CHECK = textwrap.dedent("""
     import torch
@@ -59,9 +56,4 @@ CHECK = textwrap.dedent("""
 
 
 def test_triton_attention_kernels_in_the_interpreter():
-    pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root}
-    run = subprocess.run([sys.executable, "-c", CHECK], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=600)
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
+    run_in_triton_interpreter(CHECK)
