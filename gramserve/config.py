@@ -32,11 +32,11 @@ DEVICE_DEFAULTS = {
     # xgrammar's accept and fill hold the GIL and its batch fill starts fresh threads on every call, so one process
     # does not scale past a few cores: on the 16-core H100 host 256 rows took 2.4 ms a step in one process, 1.3 ms
     # in each of 4 (the 1B's constrained step: 4.2 -> 3.6 ms); 8 processes slowed the scheduler's own steps.
-    # Prefill first while requests wait (as SGLang): the 8B's 1,000-request burst ran 512 decode steps instead of
-    # 560 and 12,285-12,367 tok/s instead of 11,699-11,832, at the price of stalling the running streams while
-    # the burst's prompts are prefilled (about 5 s there).
+    # Up to 4 prefill chunks between decode steps: the 8B's 1,000-request burst ran 524 decode steps instead of 560
+    # (alternating) and 12,233-12,267 tok/s instead of 11,753, with running streams stalled at most 0.42 s; no
+    # bound (SGLang's policy) gave 11,981-12,314 tok/s and stalled them for 4.7-5.0 s.
     "cuda": DeviceDefaults(max_running_requests=1024, chunked_prefill_size=8192, cuda_graph_max_bs=1024,
-                           max_consecutive_prefills=0, max_grammar_shards=8),
+                           max_consecutive_prefills=4, max_grammar_shards=8),
 }
 
 
@@ -188,7 +188,7 @@ class ServerArgs:
         parser.add_argument("--max-consecutive-prefills", type=_non_negative_int, default=None,
                             help="while requests decode, prefill steps (of up to --chunked-prefill-size tokens) "
                                  "allowed between two decode steps; 0: no limit, prefill whenever requests wait, "
-                                 f"as SGLang (default: {DEVICE_DEFAULTS['cuda'].max_consecutive_prefills} on CUDA, "
+                                 f"as SGLang; bounds how long a burst of prompts stalls running streams (default: {DEVICE_DEFAULTS['cuda'].max_consecutive_prefills} on CUDA, "
                                  f"{DEVICE_DEFAULTS['cpu'].max_consecutive_prefills} on CPU)")
         parser.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=["lpm", "fcfs"])
         parser.add_argument("--disable-radix-cache", action="store_true")
