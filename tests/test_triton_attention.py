@@ -1,6 +1,7 @@
 """Our Triton attention kernels run through Triton's interpreter on CPU tensors, against attention written out in
-torch: decode with one KV split (the split kernel writes the output) and with several (merged by log-sum-exp),
-and extend over a cached prefix. tests/gpu/test_gpu_backends.py runs them on a GPU inside the model."""
+torch: decode with one KV split (the split kernel writes the output) and with several (merged by log-sum-exp,
+some of them past the end of a sequence), and extend over a cached prefix. tests/gpu/test_gpu_backends.py runs
+them on a GPU inside the model."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ CHECK = textwrap.dedent("""
     rows = torch.tensor([2, 0, 3])
     seq_lens = torch.tensor([150, 1, 77])
     q = torch.randn(3, hq, d, generator=g)
-    for splits in (1, 4):
+    for splits in (1, 4, 16):  # 16: most splits past the end of every sequence (whole tiles per split)
         out = torch.zeros_like(q)
         decode_attention(q, k_buf, v_buf, out, table, rows, seq_lens, scale, splits)
         for b in range(3):

@@ -79,7 +79,9 @@ def _decode_split_kernel(Q, K, V, Mid, Lse, O, table, table_stride, rows, seq_le
     split = tl.program_id(2)
     row = tl.load(rows + b).to(tl.int64)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
-    per_split = tl.cdiv(seq_len, NUM_SPLITS)
+    # Whole tiles per split: a short sequence keeps to its first splits (the rest find no tokens and write an
+    # empty part), so the split count, fixed per batch size for the CUDA graphs, can be sized for long sequences.
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
     offs_h = tl.arange(0, BLOCK_H)
@@ -154,10 +156,14 @@ def extend_attention(q, k_buf, v_buf, out, req_to_token, rows, qo_start, prefix_
                          IEEE=ieee, num_warps=4, num_stages=2)
 
 
+MAX_DECODE_SPLITS = 64
+
+
 def decode_splits(batch_size: int, num_kv_heads: int, num_sms: int) -> int:
-    """KV splits per (request, KV head): enough programs to fill the GPU, at most 16."""
+    """KV splits per (request, KV head): enough programs to fill the GPU twice over, at most MAX_DECODE_SPLITS.
+    A split covers whole tiles, so a sequence shorter than splits x tile uses only some of them."""
     want = max(1, (2 * num_sms) // max(1, batch_size * num_kv_heads))
-    return min(16, triton.next_power_of_2(want))
+    return min(MAX_DECODE_SPLITS, triton.next_power_of_2(want))
 
 
 def decode_tile(programs: int, ieee: bool) -> tuple[int, int]:
