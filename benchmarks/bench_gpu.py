@@ -632,7 +632,7 @@ def main() -> None:
     except Exception:  # noqa: BLE001
         pass
     log.info("env %s", RESULTS["env"])
-    RESULTS["models"] = args.models.split(",")
+    RESULTS["models"] = [m for m in args.models.split(",") if m]  # --models "": the attention section alone
     save(args.out)
 
     if "attention" not in skip:

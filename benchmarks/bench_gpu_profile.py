@@ -9,6 +9,9 @@
   the step timeline by kind; set against `decode`, the difference is what prefill costs.
 * gemm: the ceiling for the GEMMs: each of the 8B's linear layers alone (cuBLAS through F.linear) at the row
   counts the workload runs (8,192-token prefill chunks, decode batches), in TFLOP/s and weight-streaming GB/s.
+* b1: the batch-1 decode graph of each model replayed under the profiler after a 128-token prompt: the
+  kernels of one token by kind and by name, and the GEMMs' time against streaming their weights at the copy
+  bandwidth measured in the same run (what keeps batch-1 decode off the roofline).
 * grammar: the 1B at batch 256, one unconstrained and one constrained pass of bench_gpu.py's grammar section
   under the profiler: how much longer the GPU sits idle per constrained step, and the mask kernels' own time.
 """
@@ -73,8 +76,8 @@ def summarize(prof, wall_s: float) -> dict:
             "idle_ms": (span - busy) / 1e3, "gaps_over_50us": sum(1 for g in gaps if g > 50),
             "gaps_over_50us_ms": sum(g for g in gaps if g > 50) / 1e3,
             "gaps_around": [(k, n, round(around_ms[k], 1)) for k, n in around.most_common(12)],
-            "by_kind_ms": {k: round(v / 1e3, 1) for k, v in by_kind.most_common()},
-            "top_kernels_ms": [(k, round(v / 1e3, 1)) for k, v in by_name.most_common(15)]}
+            "by_kind_ms": {k: round(v / 1e3, 3) for k, v in by_kind.most_common()},
+            "top_kernels_ms": [(k, round(v / 1e3, 3)) for k, v in by_name.most_common(25)]}
 
 
 def profile_throughput(assets: str, cold: bool) -> dict:
@@ -128,6 +131,32 @@ def profile_gemm(assets: str) -> dict:
     return out
 
 
+def profile_b1(assets: str, model: str, tokens: int = 50) -> dict:
+    """Kernel time per token of the batch-1 decode graph, by kind and by name."""
+    bw = B.copy_bandwidth()  # before the engine takes the memory for its KV pool
+    eng = B.Engine(os.path.join(assets, f"{model}.json"), assets, grammar=False)
+    rng = random.Random(0)
+    eng.add([rng.randrange(100, eng.vocab) for _ in range(128)], 64)
+    eng.run()  # leaves the graph's inputs at a real request of ~190 cached tokens
+    graph = eng.sched.runner.graph_runner.graphs[1]
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(tokens):
+            graph.replay()
+        torch.cuda.synchronize()
+    summary = summarize(prof, 0.0)
+    per_token = {k: round(v * 1e3 / tokens, 1) for k, v in summary["by_kind_ms"].items()}  # us
+    wbytes = B.weight_bytes_per_token(eng.sched.runner)
+    eng.close()
+    return {"copy_tb_s": bw / 1e12, "kernels_per_token": summary["kernels"] / tokens,
+            "busy_us_per_token": round(summary["busy_ms"] * 1e3 / tokens, 1),
+            "span_us_per_token": round(summary["span_ms"] * 1e3 / tokens, 1),
+            "weights_at_copy_bw_us": round(wbytes / bw * 1e6, 1), "us_per_token_by_kind": per_token,
+            "top_kernels_us_per_token": [(k, round(v * 1e3 / tokens, 1)) for k, v in summary["top_kernels_ms"]]}
+
+
 def profile_grammar(assets: str, bs: int = 256) -> dict:
     eng = B.Engine(os.path.join(assets, "llama-3.2-1b.json"), assets, grammar=True)
     rng = random.Random(3)
@@ -148,7 +177,7 @@ def profile_grammar(assets: str, bs: int = 256) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--assets", default=".gpu")
-    p.add_argument("--sections", default="decode,cold,gemm,grammar")
+    p.add_argument("--sections", default="decode,cold,gemm,b1,grammar")
     p.add_argument("--out", default="bench_gpu_profile.json")
     args = p.parse_args()
     results = {}
@@ -159,6 +188,8 @@ def main() -> None:
         results["cold"] = profile_throughput(args.assets, cold=True)
     if "gemm" in sections:
         results["gemm"] = profile_gemm(args.assets)
+    if "b1" in sections:
+        results["b1"] = {m: profile_b1(args.assets, m) for m in ("llama-3.2-1b", "llama-3.1-8b")}
     if "grammar" in sections:
         results["grammar"] = profile_grammar(args.assets)
     with open(args.out, "w") as f:
