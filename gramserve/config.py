@@ -188,7 +188,8 @@ class ServerArgs:
         parser.add_argument("--max-consecutive-prefills", type=_non_negative_int, default=None,
                             help="while requests decode, prefill steps (of up to --chunked-prefill-size tokens) "
                                  "allowed between two decode steps; 0: no limit, prefill whenever requests wait, "
-                                 f"as SGLang; bounds how long a burst of prompts stalls running streams (default: {DEVICE_DEFAULTS['cuda'].max_consecutive_prefills} on CUDA, "
+                                 "as SGLang; bounds how long a burst of prompts stalls running streams "
+                                 f"(default: {DEVICE_DEFAULTS['cuda'].max_consecutive_prefills} on CUDA, "
                                  f"{DEVICE_DEFAULTS['cpu'].max_consecutive_prefills} on CPU)")
         parser.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=["lpm", "fcfs"])
         parser.add_argument("--disable-radix-cache", action="store_true")
