@@ -166,7 +166,7 @@ def test_max_consecutive_prefills_bounds_the_stall_of_running_streams(tokenizer,
     """A request decodes while a long prompt (6 chunks of 16 tokens) and two short ones arrive. With a limit of N,
     at most N prefill steps run between two decode steps; with 0 the prompts are prefilled back to back, as SGLang.
     The tokens are the same whatever the limit, in the plain loop and under the overlap schedule (CUDA's
-    default, with no limit)."""
+    default)."""
     sched = Scheduler(ServerArgs(device="cpu", chunked_prefill_size=16, max_consecutive_prefills=1,
                                  overlap_schedule=overlap, kv_cache_memory_gb=0.05, context_length=256), tokenizer)
     assert sched.max_consecutive_prefills == 1

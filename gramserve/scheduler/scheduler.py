@@ -146,7 +146,6 @@ class Scheduler:
         self.running: list[Req] = []
         self.chunked: Req | None = None  # the request whose prompt is being prefilled chunk by chunk
         self.finished_early: list[Req] = []  # rejected before running; reported by the next step
-        self._last_was_prefill = False
         self._prefills_in_a_row = 0  # prefill steps since the last decode step
         self.max_consecutive_prefills = args.max_consecutive_prefills  # while requests decode; 0: no limit
         self.phases = StepPhases()
@@ -369,6 +368,11 @@ class Scheduler:
     # --- one step -------------------------------------------------------------------------------
 
     @property
+    def _last_was_prefill(self) -> bool:
+        """The last forward step was a prefill (extend) step."""
+        return self._prefills_in_a_row > 0
+
+    @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.chunked or self.finished_early or self.inflight)
 
@@ -424,7 +428,6 @@ class Scheduler:
         if not self.running or limit == 0 or self._prefills_in_a_row < limit:
             picked = self._schedule_prefill()
         if picked:
-            self._last_was_prefill = True
             self._prefills_in_a_row += 1
             batch = self._prefill_batch(picked)
             reqs = [r for r, _ in picked]
@@ -432,7 +435,6 @@ class Scheduler:
             sampling = [r for r in reqs if r.kv_len == len(r.fill_ids)]
             self.stats["prompt_tokens"] += sum(batch.extend_seq_lens_cpu)
         elif any(r.finished is None for r in self.running):
-            self._last_was_prefill = False
             self._prefills_in_a_row = 0
             if self._available_slots() < len(self.running):
                 self._retract_for(len(self.running))
