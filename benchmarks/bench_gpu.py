@@ -116,7 +116,8 @@ class Engine:
                  busy_poll: bool = True, **overrides):
         from transformers import AutoTokenizer
 
-        from gramserve.scheduler.scheduler import Scheduler, default_num_threads
+        from gramserve.scheduler.process import default_num_threads
+        from gramserve.scheduler.scheduler import Scheduler
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         cfg = json.load(open(model_json))

@@ -26,7 +26,7 @@ from gramserve.grammar.grammar_shm import create_grammar_shm
 from gramserve.grammar.process import run_grammar_process
 from gramserve.model.loader import default_tokenizer_dir, load_config_dict, resolve_model
 from gramserve.model.model_config import ModelConfig
-from gramserve.scheduler.scheduler import run_scheduler_process
+from gramserve.scheduler.process import run_scheduler_process
 
 logger = logging.getLogger("gramserve")
 

@@ -1,0 +1,104 @@
+"""The scheduler process: its entry point and loop (messages in, one scheduler step, tokens out)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+import zmq
+
+from gramserve.config import ServerArgs
+from gramserve.ipc import DETOKENIZER_IN, SCHEDULER_IN, exit_when_parent_dies, pull_socket, push_socket
+from gramserve.messages import AbortReq, ControlReq, ControlResp, TokenizedGenerateReq
+from gramserve.scheduler.grammar_client import GrammarClient
+from gramserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+def run_scheduler_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> None:
+    """Entry point of the scheduler process (multiprocessing spawn)."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [scheduler] %(levelname)s %(message)s")
+    exit_when_parent_dies()
+    try:
+        torch.set_num_threads(args.num_threads or default_num_threads())
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        ctx = zmq.Context()
+        grammar = GrammarClient(args, ctx) if args.grammar_shm else None
+        scheduler = Scheduler(args, tokenizer, grammar)
+        torch.set_num_threads(args.num_threads or default_num_threads(scheduler.device))
+    except Exception as exc:  # noqa: BLE001 - reported to the launcher, which exits with it
+        logger.exception("scheduler failed to start")
+        ready_pipe.send({"error": f"{type(exc).__name__}: {exc}"})
+        return
+    inbox = pull_socket(ctx, args.ipc_path(SCHEDULER_IN))
+    to_detok = push_socket(ctx, args.ipc_path(DETOKENIZER_IN))
+    ready_pipe.send({"ok": True, "runner": scheduler.runner.info.__dict__})
+    loop(scheduler, inbox, to_detok)
+
+
+GPU_HOST_THREADS = 2
+
+
+def default_num_threads(device: torch.device | None = None) -> int:
+    """Torch CPU threads for the scheduler process."""
+    if device is not None and device.type == "cuda":
+        # The model runs on the GPU; host tensor ops are small (ids, bitmask copies). Idle OpenMP threads spin
+        # after each parallel op and would take cores from the grammar process's fill threads.
+        return GPU_HOST_THREADS
+    # Leave one core to the HTTP server and detokenizer: torch's OpenMP threads spin, and on a
+    # small machine a contended core slows every matmul several-fold.
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores - 1) if cores <= 4 else cores - 2
+
+
+def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket) -> None:
+    poller = zmq.Poller()
+    poller.register(inbox, zmq.POLLIN)
+    if scheduler.grammar is not None:
+        poller.register(scheduler.grammar.inbox, zmq.POLLIN)
+    while True:
+        idle = not scheduler.has_work
+        # Block only when there is nothing to compute (a compile result also wakes us).
+        events = dict(poller.poll(timeout=1000 if idle else 0))
+        scheduler.poll_grammar()
+        while inbox in events or inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                msg = inbox.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            events = {}
+            handle_message(scheduler, msg, to_detok)
+        t0 = time.perf_counter()
+        try:
+            out = scheduler.step()
+        except Exception:  # noqa: BLE001 - a failing batch must not take the server down
+            logger.exception("step failed; aborting the running requests")
+            out = scheduler.abort_all("internal error while running the batch (see server log)")
+        if out is not None and out.rids:
+            to_detok.send_pyobj(out)
+        if out is not None and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("step: %d reqs in %.1f ms", len(out.rids), (time.perf_counter() - t0) * 1e3)
+
+
+def handle_message(scheduler: Scheduler, msg, to_detok: zmq.Socket) -> None:
+    if isinstance(msg, TokenizedGenerateReq):
+        scheduler.add_request(msg)
+    elif isinstance(msg, AbortReq):
+        out = scheduler.abort(msg.rid)
+        if out is not None:
+            to_detok.send_pyobj(out)
+    elif isinstance(msg, ControlReq):
+        if msg.kind == "server_info":
+            payload = scheduler.server_info()
+        elif msg.kind == "flush_cache":
+            payload = scheduler.flush_cache()
+        else:
+            payload = {"error": f"unknown control request {msg.kind}"}
+        to_detok.send_pyobj(ControlResp(msg.qid, payload))
+    else:
+        logger.error("unknown message %r", type(msg))
