@@ -24,10 +24,11 @@ import torch
 
 from gramserve.config import ServerArgs
 from gramserve.messages import BatchTokenOut, FinishReason, TokenizedGenerateReq, TokenLogprob
-from gramserve.model.forward_batch import ForwardBatch, ForwardMode
 from gramserve.model.runner import ModelRunner
 from gramserve.sampling.sampler import PendingSample, SampleResult, Sampler
+from gramserve.scheduler.batch_builder import BatchBuilder
 from gramserve.scheduler.grammar_client import GrammarClient
+from gramserve.scheduler.kv_accounting import KvAccounting
 from gramserve.scheduler.memory import ReqToTokenPool, TokenSlotAllocator
 from gramserve.scheduler.radix_cache import RadixCache
 from gramserve.scheduler.request import Req
@@ -54,17 +55,6 @@ class _Masks:
 
     step: int = 0
     pairs: list[tuple[int, int]] = field(default_factory=list)
-
-
-@dataclass
-class _DecodeRows:
-    """The device tensors of the last decode batch. The next decode batch of the same requests, each one token on
-    (steady decode), reuses them: its positions are these seq_lens."""
-
-    reqs: list[Req]
-    seq_lens: list[int]
-    rows_dev: torch.Tensor
-    seq_lens_dev: torch.Tensor
 
 
 @dataclass
@@ -137,7 +127,8 @@ class Scheduler:
         # The last sampled token of each request row, written on the device by sampling, read by decode.
         self.last_tokens = torch.zeros(args.max_running_requests, dtype=torch.long, device=self.device)
         self.inflight: _Sampled | None = None  # overlap: the previous step, not yet read back
-        self._last_decode: _DecodeRows | None = None
+        self.kv = KvAccounting(self.allocator, self.req_pool, self.cache, args.kv_reserve_ratio)
+        self.batches = BatchBuilder(self.kv, self.device, self.last_tokens)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.chunked: Req | None = None  # the request whose prompt is being prefilled chunk by chunk
@@ -193,44 +184,16 @@ class Scheduler:
 
     # --- KV bookkeeping -------------------------------------------------------------------------
 
-    def _reserved_slots(self) -> int:
-        """Slots kept free for the tokens that running requests are still expected to generate."""
-        ratio = self.args.kv_reserve_ratio
-        return int(sum(r.remaining_new_tokens() for r in self.running) * ratio)
-
-    def _available_slots(self) -> int:
-        return self.allocator.num_free + self.cache.evictable_size
-
-    def _alloc(self, n: int) -> torch.Tensor:
-        if self.allocator.num_free < n:
-            self.cache.evict(n - self.allocator.num_free)
-        return self.allocator.alloc(n)
-
     def _release(self, req: Req) -> None:
-        """Give a request's KV back: computed tokens go into the prefix cache, duplicates are freed."""
+        """A request stopped running: its grammar mask row and its KV (into the prefix cache) go back."""
         if self.grammar is not None:
             self.grammar.release_slot(req.rid)
-        if req.req_pool_idx is None:
-            return
-        slots = self.req_pool.slots(req.req_pool_idx, req.kv_len)
-        computed = min(req.kv_len, len(req.fill_ids))  # K/V past fill_ids: a step whose token never came
-        self.allocator.free(slots[computed:])
-        slots = slots[:computed]
-        already = self.cache.insert(req.fill_ids[:computed], slots) if computed else 0
-        dup_end = max(already, req.prefix_len)
-        self.allocator.free(slots[req.prefix_len:dup_end])  # our own copies of what the tree already had
-        if self.cache.disabled:
-            self.allocator.free(slots[req.prefix_len:])
-        if req.prefix_node is not None:
-            self.cache.unlock(req.prefix_node)
-        self.req_pool.free(req.req_pool_idx)
-        req.req_pool_idx, req.prefix_node = None, None
-        req.kv_len = req.prefix_len = 0
+        self.kv.release(req)
 
     def _retract_for(self, needed: int) -> None:
         """Decode ran out of slots: send the requests with the least progress back to the waiting queue."""
         victims = sorted(self.running, key=lambda r: (len(r.output_ids), -r.arrival))
-        while self._available_slots() < needed and len(self.running) > 1 and victims:
+        while self.kv.available() < needed and len(self.running) > 1 and victims:
             req = victims.pop(0)
             self.running.remove(req)
             self._release(req)  # its tokens stay in the prefix cache, so resuming is cheap if not evicted
@@ -258,11 +221,11 @@ class Scheduler:
         picked: list[tuple[Req, int]] = []
         if self.chunked is not None:
             req = self.chunked
-            take = min(len(req.fill_ids) - req.kv_len, budget, self._available_slots())
+            take = min(len(req.fill_ids) - req.kv_len, budget, self.kv.available())
             if take > 0:  # else wait for running requests to finish and free memory
                 picked.append((req, take))
                 budget -= take
-        reserved = self._reserved_slots()
+        reserved = self.kv.reserved(self.running)
         taken = sum(n for _, n in picked)
         rows_left = self.req_pool.num_free
         for req in self._ordered_waiting():
@@ -273,9 +236,9 @@ class Scheduler:
             take = min(extend, budget) if chunk_size > 0 else extend
             if chunk_size <= 0 and picked and take > budget:
                 break
-            reserve = int(req.remaining_new_tokens() * self.args.kv_reserve_ratio) if take == extend else 0
+            reserve = int(req.remaining_new_tokens() * self.kv.reserve_ratio) if take == extend else 0
             self.cache.lock(match.node)  # locking makes the matched prefix unevictable: count it first
-            room = self._available_slots() - taken
+            room = self.kv.available() - taken
             if take > room or (take + reserve > room - reserved and (picked or self.running)):
                 self.cache.unlock(match.node)
                 break
@@ -301,65 +264,6 @@ class Scheduler:
             req.cached_tokens = match.length
             req.admitted_once = True
             self.stats["cached_prompt_tokens"] += match.length
-
-    def _prefill_batch(self, picked: list[tuple[Req, int]]) -> ForwardBatch:
-        slots = self._alloc(sum(n for _, n in picked))
-        ids, positions, rows, prefix_lens, new_lens = [], [], [], [], []
-        offset = 0
-        for req, n in picked:
-            start = req.kv_len
-            self.req_pool.write(req.req_pool_idx, start, slots[offset:offset + n])
-            offset += n
-            ids += req.fill_ids[start:start + n]
-            positions.append(torch.arange(start, start + n))
-            rows.append(req.req_pool_idx)
-            prefix_lens.append(start)
-            new_lens.append(n)
-            req.kv_len += n
-        return self._make_batch(ForwardMode.EXTEND, ids, torch.cat(positions), slots, rows,
-                                [p + n for p, n in zip(prefix_lens, new_lens)], prefix_lens, new_lens)
-
-    def _decode_batch(self, reqs: list[Req]) -> ForwardBatch:
-        slots = self._alloc(len(reqs))
-        positions = [r.kv_len for r in reqs]
-        for req in reqs:
-            req.kv_len += 1
-        last = self._last_decode
-        if last is not None and reqs == last.reqs and positions == last.seq_lens:
-            # The same requests as the last decode step, one token on: no host-to-device copies.
-            rows_dev, positions_dev = last.rows_dev, last.seq_lens_dev
-        else:
-            rows_dev = self._to_device([r.req_pool_idx for r in reqs])
-            positions_dev = self._to_device(positions)
-        seq_lens, seq_lens_dev = [p + 1 for p in positions], positions_dev + 1
-        self._last_decode = _DecodeRows(reqs, seq_lens, rows_dev, seq_lens_dev)
-        # One scatter for the whole batch (a write per request costs a kernel launch each on a GPU).
-        self.req_pool.table[rows_dev, positions_dev] = slots.to(self.req_pool.table.dtype)
-        return ForwardBatch(
-            mode=ForwardMode.DECODE,
-            # Each request's input is the token it sampled last, which may still be on the device (overlap).
-            input_ids=self.last_tokens[rows_dev], positions=positions_dev, out_cache_loc=slots,
-            req_pool_indices=rows_dev, seq_lens=seq_lens_dev, seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=positions, extend_seq_lens_cpu=[1] * len(reqs), req_to_token=self.req_pool.table)
-
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        # non_blocking: a plain host-to-device copy would wait for every kernel already queued (overlap).
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-
-    def _make_batch(self, mode, ids, positions, locs, rows, seq_lens, prefix_lens, new_lens) -> ForwardBatch:
-        dev = self.device
-        return ForwardBatch(
-            mode=mode,
-            input_ids=ids if isinstance(ids, torch.Tensor) else self._to_device(ids),
-            positions=positions.to(dev, non_blocking=True),
-            out_cache_loc=locs.to(dev),
-            req_pool_indices=self._to_device(rows),
-            seq_lens=self._to_device(seq_lens),
-            seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=prefix_lens,
-            extend_seq_lens_cpu=new_lens,
-            req_to_token=self.req_pool.table,
-        )
 
     # --- one step -------------------------------------------------------------------------------
 
@@ -425,18 +329,18 @@ class Scheduler:
             picked = self._schedule_prefill()
         if picked:
             self._prefills_in_a_row += 1
-            batch = self._prefill_batch(picked)
+            batch = self.batches.prefill(picked)
             reqs = [r for r, _ in picked]
             # Only requests whose whole prompt is now in the cache sample a token.
             sampling = [r for r in reqs if r.kv_len == len(r.fill_ids)]
             self.stats["prompt_tokens"] += sum(batch.extend_seq_lens_cpu)
         elif any(r.finished is None for r in self.running):
             self._prefills_in_a_row = 0
-            if self._available_slots() < len(self.running):
+            if self.kv.available() < len(self.running):
                 self._retract_for(len(self.running))
             # Not those finished since the last step's output (a grammar rejection): they leave `running` next.
             reqs = sampling = [r for r in self.running if r.finished is None]
-            batch = self._decode_batch(reqs)
+            batch = self.batches.decode(reqs)
         else:
             return None
         grammar = None
@@ -508,13 +412,13 @@ class Scheduler:
         if grammar is not None:
             self._apply_grammar(fwd, grammar)
             self.phases.lap("grammar_apply")
-        logits = fwd.logits if len(rows) == len(fwd.reqs) else fwd.logits[self._to_device(rows)]
+        logits = fwd.logits if len(rows) == len(fwd.reqs) else fwd.logits[self.batches.to_device(rows)]
         if all(r.plain_greedy for r in reqs):
             pending = self.sampler.launch_greedy(logits)
         else:
             want_lp = [r.top_logprobs if r.return_logprob else -1 for r in reqs]
             pending = self.sampler.launch(logits, [r.sampling_row() for r in reqs], max(want_lp))
-        pool_rows = fwd.pool_rows if reqs is fwd.reqs else self._to_device([r.req_pool_idx for r in reqs])
+        pool_rows = fwd.pool_rows if reqs is fwd.reqs else self.batches.to_device([r.req_pool_idx for r in reqs])
         self.last_tokens[pool_rows] = pending.token_ids
         if feed_step:
             self.grammar.publish_feed(feed_step, pending.token_ids)

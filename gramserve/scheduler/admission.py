@@ -1,0 +1,125 @@
+"""Admission: the waiting queue's order (lpm / fcfs, priority), which requests prefill next and how much of each
+(chunked prefill), and retraction when decode runs out of KV slots."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from gramserve.scheduler.kv_accounting import KvAccounting
+from gramserve.scheduler.radix_cache import MatchResult
+from gramserve.scheduler.request import Req
+from gramserve.scheduler.stats import SchedulerCounters
+
+logger = logging.getLogger(__name__)
+
+LPM_WINDOW = 128  # waiting requests scored by prefix match per step (bounds the policy's cost)
+
+
+class Admission:
+    """The waiting queue and the request being prefilled chunk by chunk."""
+
+    def __init__(self, kv: KvAccounting, schedule_policy: str, chunked_prefill_size: int, max_prefill_tokens: int,
+                 counters: SchedulerCounters):
+        self.kv = kv
+        self.cache = kv.cache
+        self.req_pool = kv.req_pool
+        self.schedule_policy = schedule_policy
+        self.chunk_size = chunked_prefill_size  # tokens per extend step; 0 or less: whole prompts
+        self.max_prefill_tokens = max_prefill_tokens
+        self.counters = counters
+        self.waiting: deque[Req] = deque()
+        self.chunked: Req | None = None  # the request whose prompt is being prefilled chunk by chunk
+
+    def withdraw(self, rid: str) -> Req | None:
+        """Take a waiting or partly prefilled request out (an abort)."""
+        req = next((r for r in self.waiting if r.rid == rid), None)
+        if req is not None:
+            self.waiting.remove(req)
+        elif self.chunked is not None and self.chunked.rid == rid:
+            req, self.chunked = self.chunked, None
+        return req
+
+    def clear(self) -> None:
+        self.waiting, self.chunked = deque(), None
+
+    def ordered_waiting(self) -> list[Req]:
+        if self.schedule_policy == "lpm" and not self.cache.disabled and len(self.waiting) > 1:
+            head = list(self.waiting)[:LPM_WINDOW]
+            hit = {id(r): self.cache.match_prefix(r.fill_ids[:-1]).length for r in head}
+            head.sort(key=lambda r: (-hit[id(r)], r.priority, r.arrival))
+            return head + list(self.waiting)[LPM_WINDOW:]
+        return sorted(self.waiting, key=lambda r: (r.priority, r.arrival))
+
+    def schedule_prefill(self, running: list[Req]) -> list[tuple[Req, int]]:
+        """Pick (request, new tokens) pairs for one extend step within the token and memory budgets. The picked
+        requests leave the waiting queue with their slot-table row and cached prefix."""
+        if not (self.waiting or self.chunked):
+            return []
+        chunk_size = self.chunk_size
+        budget = chunk_size if chunk_size > 0 else self.max_prefill_tokens
+        available = self.kv.available
+        picked: list[tuple[Req, int]] = []
+        if self.chunked is not None:
+            req = self.chunked
+            take = min(len(req.fill_ids) - req.kv_len, budget, available())
+            if take > 0:  # else wait for running requests to finish and free memory
+                picked.append((req, take))
+                budget -= take
+        reserved = self.kv.reserved(running)
+        ratio = self.kv.reserve_ratio
+        taken = sum(n for _, n in picked)
+        rows_left = self.req_pool.num_free
+        for req in self.ordered_waiting():
+            if budget <= 0 or rows_left == 0 or self.chunked is not None:
+                break
+            match = self.cache.match_prefix(req.fill_ids[:-1])
+            extend = len(req.fill_ids) - match.length
+            take = min(extend, budget) if chunk_size > 0 else extend
+            if chunk_size <= 0 and picked and take > budget:
+                break
+            reserve = int(req.remaining_new_tokens() * ratio) if take == extend else 0
+            self.cache.lock(match.node)  # locking makes the matched prefix unevictable: count it first
+            room = available() - taken
+            if take > room or (take + reserve > room - reserved and (picked or running)):
+                self.cache.unlock(match.node)
+                break
+            self.waiting.remove(req)
+            self._admit(req, match)
+            picked.append((req, take))
+            taken += take
+            reserved += reserve
+            budget -= take
+            rows_left -= 1
+            if take < extend:
+                self.chunked = req
+        return picked
+
+    def _admit(self, req: Req, match: MatchResult) -> None:
+        """Give a request its slot-table row and the cached prefix (already locked by the caller)."""
+        req.req_pool_idx = self.req_pool.alloc()
+        req.prefix_node = match.node
+        req.prefix_len = req.kv_len = match.length
+        if match.length:
+            self.req_pool.write(req.req_pool_idx, 0, match.slots)
+        if not req.admitted_once:
+            req.cached_tokens = match.length
+            req.admitted_once = True
+            self.counters["cached_prompt_tokens"] += match.length
+
+    def retract_for(self, needed: int, running: list[Req]) -> list[Req]:
+        """Decode ran out of slots: send the requests with the least progress back to the waiting queue (their KV
+        released, removed from `running`). Returns them."""
+        victims = sorted(running, key=lambda r: (len(r.output_ids), -r.arrival))
+        available = self.kv.available
+        retracted = []
+        while available() < needed and len(running) > 1 and victims:
+            req = victims.pop(0)
+            running.remove(req)
+            self.kv.release(req)  # its tokens stay in the prefix cache, so resuming is cheap if not evicted
+            req.num_retractions += 1
+            self.counters["retractions"] += 1
+            self.waiting.appendleft(req)
+            retracted.append(req)
+            logger.info("retracted %s after %d tokens (KV pool full)", req.rid, len(req.output_ids))
+        return retracted

@@ -1,0 +1,94 @@
+"""The scheduler's statistics: host time per step phase, request and token counters, the /get_server_info report."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from gramserve.model.runner import RunnerInfo
+    from gramserve.scheduler.grammar_client import GrammarClient
+    from gramserve.scheduler.kv_accounting import KvAccounting
+
+
+class StepPhases:
+    """Host time per part of the scheduler's step (ms, cumulative; /get_server_info shows them).
+
+    launch_forward: pick the batch and queue the forward; wait_tokens: wait for the previous step's sampled ids;
+    record_tokens: per-request bookkeeping of those ids (under overlap also asking for the masks of rows the token
+    feed does not refill); output: build the detokenizer message and free what finished; grammar_feed: tell the
+    grammar processes which of this step's sampled ids will reach them through the token feed (overlap);
+    grammar_apply: wait for the grammar masks and apply them; launch_sampling: queue the sampling.
+    """
+
+    NAMES = ("launch_forward", "wait_tokens", "record_tokens", "output", "grammar_feed", "grammar_apply",
+             "launch_sampling")
+
+    def __init__(self):
+        self.ms = dict.fromkeys(self.NAMES, 0.0)
+        self.steps = 0
+        self._t = 0.0
+
+    def start(self) -> None:
+        self.steps += 1
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.ms[name] += (now - self._t) * 1e3
+        self._t = now
+
+    def snapshot(self) -> dict:
+        return {"steps": self.steps, **{k: round(v, 3) for k, v in self.ms.items()}}
+
+
+class SchedulerCounters(TypedDict):
+    """Cumulative counts since start-up (the report's "stats")."""
+
+    requests_finished: int
+    prompt_tokens: int  # computed by prefill steps (prefix-cache hits not counted)
+    generation_tokens: int
+    forward_steps: int
+    retractions: int
+    cached_prompt_tokens: int  # prompt tokens served from the prefix cache at first admission
+
+
+def zero_counters() -> SchedulerCounters:
+    return SchedulerCounters(requests_finished=0, prompt_tokens=0, generation_tokens=0, forward_steps=0,
+                             retractions=0, cached_prompt_tokens=0)
+
+
+def server_info_report(runner: RunnerInfo, sampling_backend: str, kv: KvAccounting, counters: SchedulerCounters,
+                       num_running: int, num_waiting: int, num_grammar_compiling: int,
+                       grammar: GrammarClient | None, phases: StepPhases) -> dict:
+    """The scheduler's part of /get_server_info."""
+    allocator, cache = kv.allocator, kv.cache
+    return {
+        "runner": runner.__dict__,
+        "sampling_backend": sampling_backend,
+        "kv_pool": {
+            "total_slots": allocator.size,
+            "free_slots": allocator.num_free,
+            # held by requests (their own slots and the cached prefixes they lock)
+            "used_slots": allocator.size - allocator.num_free - cache.evictable_size,
+            "cached_slots": cache.total_size(),
+            "evictable_slots": cache.evictable_size,
+            "free_request_rows": kv.req_pool.num_free,
+            "max_running_requests": kv.req_pool.max_reqs,
+        },
+        "prefix_cache": {
+            "enabled": not cache.disabled,
+            "hit_tokens": cache.stats.hit_tokens,
+            "query_tokens": cache.stats.query_tokens,
+            "cached_prompt_tokens": counters["cached_prompt_tokens"],
+        },
+        "num_running": num_running,
+        "num_waiting": num_waiting,
+        "num_grammar_compiling": num_grammar_compiling,
+        "stats": dict(counters),
+        "grammar_timing": dict(grammar.timing) if grammar is not None else {},
+        "grammar_slots_in_use": grammar.slots_in_use if grammar is not None else 0,
+        "grammar_requests_per_shard": list(grammar.placed) if grammar is not None else [],
+        "grammar_live_requests": grammar.live_requests if grammar is not None else 0,
+        "step_phases_ms": phases.snapshot(),
+    }
