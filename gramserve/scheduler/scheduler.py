@@ -16,7 +16,6 @@ masks while the scheduler launches the next forward and does its own bookkeeping
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -32,6 +31,7 @@ from gramserve.scheduler.kv_accounting import KvAccounting
 from gramserve.scheduler.memory import ReqToTokenPool, TokenSlotAllocator
 from gramserve.scheduler.radix_cache import RadixCache
 from gramserve.scheduler.request import Req
+from gramserve.scheduler.stats import StepPhases, server_info_report, zero_counters
 
 logger = logging.getLogger(__name__)
 
@@ -64,37 +64,6 @@ class _Sampled:
     reqs: list[Req]  # in result-row order
     pending: PendingSample
     fed: bool = False  # the constrained rows' ids went to the grammar process through the token feed
-
-
-class StepPhases:
-    """Host time per part of the scheduler's step (ms, cumulative; /get_server_info shows them).
-
-    launch_forward: pick the batch and queue the forward; wait_tokens: wait for the previous step's sampled ids;
-    record_tokens: per-request bookkeeping of those ids (under overlap also asking for the masks of rows the token
-    feed does not refill); output: build the detokenizer message and free what finished; grammar_feed: tell the
-    grammar processes which of this step's sampled ids will reach them through the token feed (overlap);
-    grammar_apply: wait for the grammar masks and apply them; launch_sampling: queue the sampling.
-    """
-
-    NAMES = ("launch_forward", "wait_tokens", "record_tokens", "output", "grammar_feed", "grammar_apply",
-             "launch_sampling")
-
-    def __init__(self):
-        self.ms = dict.fromkeys(self.NAMES, 0.0)
-        self.steps = 0
-        self._t = 0.0
-
-    def start(self) -> None:
-        self.steps += 1
-        self._t = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.ms[name] += (now - self._t) * 1e3
-        self._t = now
-
-    def snapshot(self) -> dict:
-        return {"steps": self.steps, **{k: round(v, 3) for k, v in self.ms.items()}}
 
 
 def use_overlap(setting: str, device: torch.device) -> bool:
@@ -136,8 +105,7 @@ class Scheduler:
         self._prefills_in_a_row = 0  # prefill steps since the last decode step
         self.max_consecutive_prefills = args.max_consecutive_prefills  # while requests decode; 0: no limit
         self.phases = StepPhases()
-        self.stats = {"requests_finished": 0, "prompt_tokens": 0, "generation_tokens": 0, "forward_steps": 0,
-                      "retractions": 0, "cached_prompt_tokens": 0}
+        self.stats = zero_counters()
 
     # --- arrival --------------------------------------------------------------------------------
 
@@ -532,33 +500,5 @@ class Scheduler:
         return {"ok": True}
 
     def server_info(self) -> dict:
-        return {
-            "runner": self.runner.info.__dict__,
-            "sampling_backend": self.sampler.backend,
-            "kv_pool": {
-                "total_slots": self.allocator.size,
-                "free_slots": self.allocator.num_free,
-                # held by requests (their own slots and the cached prefixes they lock)
-                "used_slots": self.allocator.size - self.allocator.num_free - self.cache.evictable_size,
-                "cached_slots": self.cache.total_size(),
-                "evictable_slots": self.cache.evictable_size,
-                "free_request_rows": self.req_pool.num_free,
-                "max_running_requests": self.req_pool.max_reqs,
-            },
-            "prefix_cache": {
-                "enabled": not self.cache.disabled,
-                "hit_tokens": self.cache.stats.hit_tokens,
-                "query_tokens": self.cache.stats.query_tokens,
-                "cached_prompt_tokens": self.stats["cached_prompt_tokens"],
-            },
-            "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
-            "num_grammar_compiling": len(self.grammar_wait),
-            "stats": dict(self.stats),
-            "grammar_timing": dict(self.grammar.timing) if self.grammar is not None else {},
-            "grammar_slots_in_use": self.grammar.slots_in_use if self.grammar is not None else 0,
-            "grammar_requests_per_shard": list(self.grammar.placed) if self.grammar is not None else [],
-            "grammar_live_requests": self.grammar.live_requests if self.grammar is not None else 0,
-            "step_phases_ms": self.phases.snapshot(),
-        }
-
+        return server_info_report(self.runner.info, self.sampler.backend, self.kv, self.stats, len(self.running),
+                                  len(self.waiting), len(self.grammar_wait), self.grammar, self.phases)
