@@ -1,8 +1,9 @@
-"""The Scheduler: waiting queue, continuous batching over a paged KV pool, forward, sampling.
+"""The Scheduler: continuous batching over a paged KV pool, one step at a time (forward, sampling, outputs).
 
-One step (`process.py` runs the loop that takes new messages between steps): pick a batch (new requests' prefill
-first, else one decode step of everything running), run the model, sample, send the new tokens to the detokenizer,
-free what finished.
+One step: pick a batch (new requests' prefill first, else one decode step of everything running), run the model,
+sample, send the new tokens to the detokenizer, free what finished. The parts it wires: `admission.py` (waiting queue
+order, what to prefill, retraction), `kv_accounting.py` (KV slots), `batch_builder.py` (forward batches) and
+`stats.py`; `process.py` runs the process loop that takes new messages and calls `step`.
 
 Overlap schedule (default on CUDA): a step launches its forward, then reads the previous step's sampled tokens
 (finish checks, grammar accepts, detokenizer hand-off) while the GPU computes, and only then launches its own
@@ -15,8 +16,6 @@ masks while the scheduler launches the next forward and does its own bookkeeping
 
 from __future__ import annotations
 
-import logging
-from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +24,7 @@ from gramserve.config import ServerArgs
 from gramserve.messages import BatchTokenOut, FinishReason, TokenizedGenerateReq, TokenLogprob
 from gramserve.model.runner import ModelRunner
 from gramserve.sampling.sampler import PendingSample, SampleResult, Sampler
+from gramserve.scheduler.admission import Admission
 from gramserve.scheduler.batch_builder import BatchBuilder
 from gramserve.scheduler.grammar_client import GrammarClient
 from gramserve.scheduler.kv_accounting import KvAccounting
@@ -32,10 +32,6 @@ from gramserve.scheduler.memory import ReqToTokenPool, TokenSlotAllocator
 from gramserve.scheduler.radix_cache import RadixCache
 from gramserve.scheduler.request import Req
 from gramserve.scheduler.stats import StepPhases, server_info_report, zero_counters
-
-logger = logging.getLogger(__name__)
-
-LPM_WINDOW = 128  # waiting requests scored by prefix match per step (bounds the policy's cost)
 
 
 @dataclass
@@ -96,16 +92,16 @@ class Scheduler:
         # The last sampled token of each request row, written on the device by sampling, read by decode.
         self.last_tokens = torch.zeros(args.max_running_requests, dtype=torch.long, device=self.device)
         self.inflight: _Sampled | None = None  # overlap: the previous step, not yet read back
+        self.stats = zero_counters()
         self.kv = KvAccounting(self.allocator, self.req_pool, self.cache, args.kv_reserve_ratio)
+        self.admission = Admission(self.kv, args.schedule_policy, args.chunked_prefill_size, args.max_prefill_tokens,
+                                   self.stats)
         self.batches = BatchBuilder(self.kv, self.device, self.last_tokens)
-        self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
-        self.chunked: Req | None = None  # the request whose prompt is being prefilled chunk by chunk
         self.finished_early: list[Req] = []  # rejected before running; reported by the next step
         self._prefills_in_a_row = 0  # prefill steps since the last decode step
         self.max_consecutive_prefills = args.max_consecutive_prefills  # while requests decode; 0: no limit
         self.phases = StepPhases()
-        self.stats = zero_counters()
 
     # --- arrival --------------------------------------------------------------------------------
 
@@ -113,7 +109,7 @@ class Scheduler:
         budget = self.context_length - len(msg.input_ids)
         max_new = budget if msg.sampling.max_new_tokens is None else min(msg.sampling.max_new_tokens, budget)
         req = Req(msg, max(max_new, 1), self.eos_ids)
-        queued = len(self.waiting) + len(self.grammar_wait)
+        queued = len(self.admission.waiting) + len(self.grammar_wait)
         if max_new < 1 or len(msg.input_ids) + 1 > self.allocator.size:
             req.finished = FinishReason("abort", message="prompt does not fit in the KV cache / context",
                                         status_code=400)
@@ -131,7 +127,7 @@ class Scheduler:
         if req.finished is not None:
             self.finished_early.append(req)
         else:
-            self.waiting.append(req)
+            self.admission.waiting.append(req)
         return req
 
     def poll_grammar(self) -> None:
@@ -148,7 +144,7 @@ class Scheduler:
                 self.finished_early.append(req)
             else:
                 req.grammar_backend = resp.backend
-                self.waiting.append(req)
+                self.admission.waiting.append(req)
 
     # --- KV bookkeeping -------------------------------------------------------------------------
 
@@ -157,81 +153,6 @@ class Scheduler:
         if self.grammar is not None:
             self.grammar.release_slot(req.rid)
         self.kv.release(req)
-
-    def _retract_for(self, needed: int) -> None:
-        """Decode ran out of slots: send the requests with the least progress back to the waiting queue."""
-        victims = sorted(self.running, key=lambda r: (len(r.output_ids), -r.arrival))
-        while self.kv.available() < needed and len(self.running) > 1 and victims:
-            req = victims.pop(0)
-            self.running.remove(req)
-            self._release(req)  # its tokens stay in the prefix cache, so resuming is cheap if not evicted
-            req.num_retractions += 1
-            self.stats["retractions"] += 1
-            self.waiting.appendleft(req)
-            logger.info("retracted %s after %d tokens (KV pool full)", req.rid, len(req.output_ids))
-
-    # --- batches --------------------------------------------------------------------------------
-
-    def _ordered_waiting(self) -> list[Req]:
-        if self.args.schedule_policy == "lpm" and not self.cache.disabled and len(self.waiting) > 1:
-            head = list(self.waiting)[:LPM_WINDOW]
-            hit = {id(r): self.cache.match_prefix(r.fill_ids[:-1]).length for r in head}
-            head.sort(key=lambda r: (-hit[id(r)], r.priority, r.arrival))
-            return head + list(self.waiting)[LPM_WINDOW:]
-        return sorted(self.waiting, key=lambda r: (r.priority, r.arrival))
-
-    def _schedule_prefill(self) -> list[tuple[Req, int]]:
-        """Pick (request, new tokens) pairs for one extend step within the token and memory budgets."""
-        if not (self.waiting or self.chunked):
-            return []
-        chunk_size = self.args.chunked_prefill_size
-        budget = chunk_size if chunk_size > 0 else self.args.max_prefill_tokens
-        picked: list[tuple[Req, int]] = []
-        if self.chunked is not None:
-            req = self.chunked
-            take = min(len(req.fill_ids) - req.kv_len, budget, self.kv.available())
-            if take > 0:  # else wait for running requests to finish and free memory
-                picked.append((req, take))
-                budget -= take
-        reserved = self.kv.reserved(self.running)
-        taken = sum(n for _, n in picked)
-        rows_left = self.req_pool.num_free
-        for req in self._ordered_waiting():
-            if budget <= 0 or rows_left == 0 or self.chunked is not None:
-                break
-            match = self.cache.match_prefix(req.fill_ids[:-1])
-            extend = len(req.fill_ids) - match.length
-            take = min(extend, budget) if chunk_size > 0 else extend
-            if chunk_size <= 0 and picked and take > budget:
-                break
-            reserve = int(req.remaining_new_tokens() * self.kv.reserve_ratio) if take == extend else 0
-            self.cache.lock(match.node)  # locking makes the matched prefix unevictable: count it first
-            room = self.kv.available() - taken
-            if take > room or (take + reserve > room - reserved and (picked or self.running)):
-                self.cache.unlock(match.node)
-                break
-            self.waiting.remove(req)
-            self._admit(req, match)
-            picked.append((req, take))
-            taken += take
-            reserved += reserve
-            budget -= take
-            rows_left -= 1
-            if take < extend:
-                self.chunked = req
-        return picked
-
-    def _admit(self, req: Req, match) -> None:
-        """Give a request its slot-table row and the cached prefix (already locked by the caller)."""
-        req.req_pool_idx = self.req_pool.alloc()
-        req.prefix_node = match.node
-        req.prefix_len = req.kv_len = match.length
-        if match.length:
-            self.req_pool.write(req.req_pool_idx, 0, match.slots)
-        if not req.admitted_once:
-            req.cached_tokens = match.length
-            req.admitted_once = True
-            self.stats["cached_prompt_tokens"] += match.length
 
     # --- one step -------------------------------------------------------------------------------
 
@@ -242,7 +163,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting or self.chunked or self.finished_early or self.inflight)
+        return bool(self.running or self.admission.waiting or self.admission.chunked or self.finished_early
+                    or self.inflight)
 
     @torch.inference_mode()
     def step(self) -> BatchTokenOut | None:
@@ -294,7 +216,7 @@ class Scheduler:
         # a burst of new prompts stalls the running streams for a bounded time.
         limit = self.max_consecutive_prefills
         if not self.running or limit == 0 or self._prefills_in_a_row < limit:
-            picked = self._schedule_prefill()
+            picked = self.admission.schedule_prefill(self.running)
         if picked:
             self._prefills_in_a_row += 1
             batch = self.batches.prefill(picked)
@@ -305,7 +227,10 @@ class Scheduler:
         elif any(r.finished is None for r in self.running):
             self._prefills_in_a_row = 0
             if self.kv.available() < len(self.running):
-                self._retract_for(len(self.running))
+                # Back to the waiting queue (KV released by admission); their grammar mask rows are free too.
+                for req in self.admission.retract_for(len(self.running), self.running):
+                    if self.grammar is not None:
+                        self.grammar.release_slot(req.rid)
             # Not those finished since the last step's output (a grammar rejection): they leave `running` next.
             reqs = sampling = [r for r in self.running if r.finished is None]
             batch = self.batches.decode(reqs)
@@ -321,11 +246,13 @@ class Scheduler:
                 self.grammar.wait(grammar.step)
             raise
         self.stats["forward_steps"] += 1
-        for req in sampling if picked else ():  # their prefill is complete: they decode from now on
-            if req is self.chunked:
-                self.chunked = None
-            if req.finished is None:
-                self.running.append(req)
+        if picked:
+            chunked = self.admission.chunked
+            for req in sampling:  # their prefill is complete: they decode from now on
+                if req is chunked:
+                    self.admission.chunked = None
+                if req.finished is None:
+                    self.running.append(req)
         return _Forward(reqs, sampling, logits, grammar, batch.req_pool_indices)
 
     @staticmethod
@@ -423,8 +350,8 @@ class Scheduler:
             if req.return_logprob:
                 top = result.top_logprobs[i][: req.top_logprobs] if result.top_logprobs else []
                 req.pending_logprobs.append(TokenLogprob(tok, result.logprobs[i], top))
-            if req.finished is not None and req.req_pool_idx is None and req in self.waiting:
-                self.waiting.remove(req)  # retracted while its last token was in flight
+            if req.finished is not None and req.req_pool_idx is None and req in self.admission.waiting:
+                self.admission.waiting.remove(req)  # retracted while its last token was in flight
             got.append(req)
         self.stats["generation_tokens"] += len(got)
         self.phases.lap("record_tokens")
@@ -467,27 +394,25 @@ class Scheduler:
     def abort(self, rid: str) -> BatchTokenOut | None:
         req = self.grammar_wait.pop(rid, None)
         if req is None:
-            req = next((r for r in self.waiting if r.rid == rid), None)
-            if req is not None:
-                self.waiting.remove(req)
+            req = self.admission.withdraw(rid)
         if req is None:
             req = next((r for r in self.running if r.rid == rid), None)
             if req is not None:
                 self.running.remove(req)
-        if req is None and self.chunked is not None and self.chunked.rid == rid:
-            req, self.chunked = self.chunked, None
         if req is None or req.finished is not None:
             return None
         req.finished = FinishReason("abort", message="aborted")
         return self._output([req])
 
     def abort_all(self, message: str) -> BatchTokenOut:
-        live = list(self.running) + list(self.waiting) + list(self.grammar_wait.values())
-        if self.chunked is not None and self.chunked not in live:
-            live.append(self.chunked)
+        chunked = self.admission.chunked
+        live = list(self.running) + list(self.admission.waiting) + list(self.grammar_wait.values())
+        if chunked is not None and chunked not in live:
+            live.append(chunked)
         live = [r for r in live if r.finished is None]
         done = [r for r in self.finished_early if r not in live]  # already failed: keep their own reason
-        self.running, self.waiting, self.grammar_wait, self.chunked = [], deque(), {}, None
+        self.running, self.grammar_wait = [], {}
+        self.admission.clear()
         self.inflight, self.finished_early = None, []
         for req in live:
             req.finished = FinishReason("abort", message=message, status_code=500)
@@ -501,4 +426,4 @@ class Scheduler:
 
     def server_info(self) -> dict:
         return server_info_report(self.runner.info, self.sampler.backend, self.kv, self.stats, len(self.running),
-                                  len(self.waiting), len(self.grammar_wait), self.grammar, self.phases)
+                                  len(self.admission.waiting), len(self.grammar_wait), self.grammar, self.phases)
