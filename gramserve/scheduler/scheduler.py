@@ -69,6 +69,8 @@ def use_overlap(setting: str, device: torch.device) -> bool:
 
 
 class Scheduler:
+    """Runs one step at a time over `admission` (what to prefill), `kv` (KV slots), `batches` and the model."""
+
     def __init__(self, args: ServerArgs, tokenizer, grammar: GrammarClient | None = None):
         self.args = args
         self.grammar = grammar
