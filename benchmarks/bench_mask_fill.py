@@ -85,8 +85,8 @@ def new_lane(backend, case: Case, depth: int) -> Lane:
 def run_batch(backend, cases: list[Case], batch: int, modes: dict, steps: int, warmup: int, seed: int) -> Result:
     import torch
 
-    from gramserve.grammar.backends import allocate_bitmask
     from gramserve.grammar.fill import fill_rows
+    from gramserve.sampling.bitmask import allocate_bitmask
 
     rng = random.Random(seed)
     lanes = [new_lane(backend, c, rng.randrange(len(c.tokens))) for c in (cases[i % len(cases)] for i in range(batch))]

@@ -208,9 +208,9 @@ def test_service_step_fills_in_batches(tokenizer):
     """GrammarService.step with fill threads writes what the row-by-row service writes."""
     import time
 
-    from gramserve.grammar.backends import allocate_bitmask
     from gramserve.grammar.service import GrammarService
     from gramserve.messages import GrammarCompileReq, GrammarRequest, GrammarStepReq
+    from gramserve.sampling.bitmask import allocate_bitmask
 
     vocab = len(tokenizer) + EXTRA_COLUMNS
     schemas = []

@@ -14,8 +14,8 @@ from multiprocessing import shared_memory
 
 import torch
 
-from gramserve.grammar.backends.base import bitmask_words
 from gramserve.grammar.token_feed import feed_bytes
+from gramserve.sampling.bitmask import bitmask_words
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from gramserve.grammar.backends.base import apply_bitmask
+from gramserve.sampling.bitmask import apply_bitmask
 
 RING = 2  # page-locked buffers for the (row, slot) pairs; one is refilled while the other's copy may be queued
 

@@ -28,7 +28,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .base import GrammarBackend, GrammarCompileError, GrammarSpec, allocate_bitmask
+from gramserve.sampling.bitmask import allocate_bitmask
+
+from .base import GrammarBackend, GrammarCompileError, GrammarSpec
 
 
 def category(path: Path) -> str:
