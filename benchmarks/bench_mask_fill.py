@@ -57,7 +57,7 @@ class Result:
 
 def load_cases(backend, tokenizer, corpus: Path, count: int, max_bytes: int) -> list[Case]:
     from gramserve.grammar.backends import GrammarCompileError, GrammarSpec
-    from gramserve.grammar.backends.evaluate import small_cases
+    from tests.grammar_eval import small_cases
 
     cases = []
     for _, text, valid in small_cases(corpus, 20, max_bytes):

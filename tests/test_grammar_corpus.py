@@ -21,14 +21,14 @@ from gramserve.grammar.backends import (
     GrammarSpec,
     create_backend,
 )
-from gramserve.grammar.backends.evaluate import (
+from gramserve.sampling.bitmask import _torch_apply_bitmask, allocate_bitmask, apply_bitmask
+from tests.grammar_eval import (
     Summary,
     category,
     corpus_files,
     run_corpus,
     stratified_sample,
 )
-from gramserve.sampling.bitmask import _torch_apply_bitmask, allocate_bitmask, apply_bitmask
 
 CORPUS = Path(__file__).parents[1] / ".." / "shared" / "corpora" / "jsonschemabench-dev"
 EOS = 2

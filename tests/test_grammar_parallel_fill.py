@@ -17,8 +17,8 @@ import torch
 
 from gramserve.grammar.backends import BACKEND_NAMES, GrammarCompileError, GrammarOptions, GrammarSpec, create_backend
 from gramserve.grammar.backends.base import Matcher
-from gramserve.grammar.backends.evaluate import corpus_files, load_case, small_cases, stratified_sample
 from gramserve.grammar.fill import FillPool, fill_rows, resolve_fill_threads
+from tests.grammar_eval import corpus_files, load_case, small_cases, stratified_sample
 
 CORPUS = Path(__file__).parents[1] / ".." / "shared" / "corpora" / "jsonschemabench-dev"
 EOS = 2
