@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from gramserve.grammar.backends import BACKEND_NAMES, GrammarOptions
-    from tests.grammar_eval import run_corpus
     from gramserve.model.loader import default_tokenizer_dir
+    from tests.grammar_eval import run_corpus
 
     if not args.corpus.is_dir():
         print(f"corpus not found: {args.corpus}", file=sys.stderr)
