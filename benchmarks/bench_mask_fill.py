@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from gramserve.grammar.fill import FillPool, available_cores
     from gramserve.model.loader import default_tokenizer_dir
 
-    torch.set_num_threads(1)  # as in the grammar process
+    torch.set_num_threads(1)  # as in the grammar worker
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_tokenizer_dir())
     modes: dict[str, FillPool | None] = {"serial": None}
     for n in args.threads:

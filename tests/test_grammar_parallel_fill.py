@@ -194,7 +194,7 @@ def test_resolve_fill_threads(monkeypatch):
     assert resolve_fill_threads("auto") == 8
     monkeypatch.setattr(fill, "available_cores", lambda: 64)
     assert resolve_fill_threads(None) == 8
-    # Grammar processes share the half of the cores: 8 on 16 cores get one thread each.
+    # Grammar workers share the half of the cores: 8 on 16 cores get one thread each.
     monkeypatch.setattr(fill, "available_cores", lambda: 16)
     assert resolve_fill_threads("auto", shards=8) == 1 and resolve_fill_threads("auto", shards=2) == 4
     assert resolve_fill_threads(2, shards=8) == 2

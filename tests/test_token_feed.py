@@ -1,4 +1,4 @@
-"""The token feed between the sampler and the grammar process (grammar/token_feed.py), on CPU tensors: ids
+"""The token feed between the sampler and the grammar worker (grammar/token_feed.py), on CPU tensors: ids
 published for a step are read back at the asked positions, a reader waits for a later step, a step that never
 comes times out, and a batch larger than the feed is refused (the scheduler then sends the accepts itself)."""
 
@@ -17,7 +17,7 @@ from gramserve.grammar.token_feed import FeedReader, FeedTimeout, FeedWriter
 @pytest.fixture
 def feed():
     shm = create_grammar_shm(16, 1000)
-    scheduler_side = attach_grammar_shm(shm.name, 16, 1000)  # as the scheduler and the grammar process attach
+    scheduler_side = attach_grammar_shm(shm.name, 16, 1000)  # as the scheduler and the grammar worker attach
     grammar_side = attach_grammar_shm(shm.name, 16, 1000)
     writer = FeedWriter(scheduler_side.feed, torch.device("cpu"))
     reader = FeedReader(grammar_side.shm.buf, 16)

@@ -1,10 +1,10 @@
-"""The token feed: sampled token ids go from the sampler straight to the GrammarBackend process.
+"""The token feed: sampled token ids go from the sampler straight to the grammar worker.
 
 Under the overlap schedule a step's grammar masks depend on the previous step's tokens. Routing those tokens
 through the scheduler (wait for them, then send them over ZeroMQ) puts the scheduler's own host work (building
 and launching the next batch) between the tokens' arrival and the start of the fill. Instead the sampler's
 ids are written into a small shared-memory segment, on CUDA by the GPU itself (two stream-ordered copies into
-page-locked memory: the ids, then the step number), and the grammar process, told beforehand which positions
+page-locked memory: the ids, then the step number), and the grammar worker, told beforehand which positions
 belong to which request (`GrammarStepReq.fed`), waits for the step number and accepts the ids at once.
 
 Layout (int64 words, at the start of the grammar segment, `grammar_shm.py`): word 0 = the step whose ids are
@@ -31,7 +31,7 @@ class FeedTimeout(RuntimeError):
 
 
 class FeedReader:
-    """The grammar process's side: wait for a step's ids (read through a memoryview: no torch per read)."""
+    """The grammar worker's side: wait for a step's ids (read through a memoryview: no torch per read)."""
 
     def __init__(self, buf: memoryview, rows: int):
         self._bytes = buf[: feed_bytes(rows)]

@@ -1,6 +1,6 @@
 """Grammar bitmasks onto the logits, on the logits' device.
 
-The grammar process writes one bitmask row per constrained request (its slot) into shared host memory;
+The grammar worker writes one bitmask row per constrained request (its slot) into shared host memory;
 `MaskApplier.apply(logits, pairs)` masks `logits[row]` with bitmask row `slot` for each (row, slot).
 
 * CPU: `apply_bitmask` on the gathered rows.
@@ -10,7 +10,7 @@ The grammar process writes one bitmask row per constrained request (its slot) in
   (`bitmask_kernel`) applies them and also disallows logits columns past the grammar's vocabulary. Nothing
   waits for the GPU. (Copying on a stream of its own, beside the forward, measured slower: by the time the
   masks exist the forward is mostly done, and the stream hand-offs cost host time on the critical path.)
-  A slot is rewritten by the grammar process only after the step that read it has sampled (the next fill
+  A slot is rewritten by the grammar worker only after the step that read it has sampled (the next fill
   needs that step's tokens), or, for a slot just handed to a new request, while only a finished request's
   discarded row could still read it. If the segment could not be page-locked, the rows are staged through a
   page-locked copy instead.

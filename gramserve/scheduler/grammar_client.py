@@ -1,6 +1,6 @@
-"""The scheduler's side of the GrammarBackend processes.
+"""The scheduler's side of the grammar workers.
 
-There are `ServerArgs.grammar_shards` grammar processes. Each constrained request is given to one of them (its
+There are `ServerArgs.grammar_shards` grammar workers. Each constrained request is given to one of them (its
 *shard*: the one with the fewest live requests, preferring one that compiled the same grammar lately) when its
 compile is asked for; that process keeps its matcher until `free`. Each constrained request also owns one bitmask
 row (its *slot*) while it runs. A grammar step asks every shard with work in it to accept tokens and fill slots;
@@ -12,7 +12,7 @@ Two ways a slot gets its next mask:
   just started);
 * under overlap, eagerly: `announce_feed` tells the shards, before the step samples, which ids of the step
   will come through the token feed (`grammar/token_feed.py`) and which slots to refill with them;
-  `publish_feed` queues the ids into the feed right after sampling. The grammar processes accept them and
+  `publish_feed` queues the ids into the feed right after sampling. The grammar workers accept them and
   refill at once: the mask for the next step exists before the scheduler has even read the ids itself.
 
 In steady decode the constrained rows are the same from step to step. The client then remembers the last fed
@@ -47,7 +47,7 @@ BUSY_POLL_MS = 20.0  # with busy_poll: how long either side polls without sleepi
 RECENT_GRAMMARS = 512  # per shard: grammars remembered as compiled there (its compile cache holds as many)
 
 
-class GrammarProcessError(RuntimeError):
+class GrammarWorkerError(RuntimeError):
     pass
 
 
@@ -97,7 +97,7 @@ class GrammarClient:
         # Where constrained steps spend the scheduler's time (ms, cumulative; /get_server_info shows them).
         # steps: grammar steps sent (to one shard or more); fed_steps: those whose tokens came through the token
         # feed, repeated_fed_steps: those that reused the last fed step's rows; replies: the shards' answers;
-        # fill_ms: accept + fill time in the grammar processes, summed over shards.
+        # fill_ms: accept + fill time in the grammar workers, summed over shards.
         self.timing = {"steps": 0, "fed_steps": 0, "repeated_fed_steps": 0, "replies": 0,
                        "wait_after_forward_ms": 0.0, "apply_ms": 0.0, "fill_ms": 0.0}
 
@@ -157,7 +157,7 @@ class GrammarClient:
 
     @property
     def live_requests(self) -> int:
-        """Requests whose matcher a grammar process holds (compiled or compiling, not yet freed)."""
+        """Requests whose matcher a grammar worker holds (compiled or compiling, not yet freed)."""
         return len(self._shard_of)
 
     def poll_compiles(self) -> list[GrammarCompileResp]:
@@ -298,7 +298,7 @@ class GrammarClient:
             if time.monotonic() < spin_until:
                 self._receive(block=False)
             elif not self._receive(block=True):
-                raise GrammarProcessError(f"no mask from the grammar process for step {step}")
+                raise GrammarWorkerError(f"no mask from the grammar worker for step {step}")
         self.timing["wait_after_forward_ms"] += (time.perf_counter() - t0) * 1e3
 
     def take_rejected(self, rids) -> set[str]:

@@ -1,4 +1,4 @@
-"""The GrammarBackend process: serves compile and per-step mask requests from the scheduler.
+"""The grammar worker: a process that serves compile and per-step mask requests from the scheduler.
 
 There are ``--grammar-shards`` of them; the scheduler's GrammarClient puts each constrained request in one
 (its *shard*), which compiles its grammar, keeps its matcher, accepts its tokens and fills its bitmask row.
@@ -48,15 +48,20 @@ class FedRows:
 
 @dataclass
 class ShardState:
-    """What one grammar process keeps between step messages."""
+    """What one grammar worker keeps between step messages."""
 
     last_fed: FedRows | None = None
 
 
-def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard: int = 0) -> None:
-    """Entry point (multiprocessing spawn) of grammar process `shard`. args.grammar_shm names the bitmask shared
+def worker_name(shard: int, shards: int) -> str:
+    """How logs name grammar worker `shard` of `shards`."""
+    return "grammar-worker" if shards == 1 else f"grammar-worker{shard}"
+
+
+def run_grammar_worker(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard: int = 0) -> None:
+    """Entry point (multiprocessing spawn) of grammar worker `shard`. args.grammar_shm names the bitmask shared
     memory."""
-    name = "grammar" if args.grammar_shards == 1 else f"grammar{shard}"
+    name = worker_name(shard, args.grammar_shards)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s [{name}] %(levelname)s %(message)s")
     exit_when_parent_dies()
     torch.set_num_threads(1)
@@ -73,7 +78,7 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard:
                                  fill_threads=resolve_fill_threads(args.grammar_fill_threads, args.grammar_shards))
         feed = FeedReader(shared.shm.buf, args.max_running_requests)
     except Exception as exc:  # noqa: BLE001 - reported to the launcher
-        logger.exception("grammar process failed to start")
+        logger.exception("grammar worker failed to start")
         ready_pipe.send({"error": f"{type(exc).__name__}: {exc}"})
         return
     ctx = zmq.Context()
@@ -108,7 +113,7 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard:
 
 def handle(service: GrammarService, msg, to_scheduler: zmq.Socket, feed: FeedReader, shard: int = 0,
            state: ShardState | None = None) -> None:
-    """Answer one message; `state` is this process's, kept between calls."""
+    """Answer one message; `state` is this worker's, kept between calls."""
     state = state if state is not None else ShardState()
     if isinstance(msg, GrammarStepReq):
         try:
