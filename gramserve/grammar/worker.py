@@ -5,15 +5,14 @@ There are ``--grammar-shards`` of them; the scheduler's GrammarClient puts each 
 
 Masks are written into a shared-memory bitmask ([max_running_requests, ceil(vocab / 32)] int32, bit set =
 token allowed; `grammar_shm.py`) that the scheduler reads after its forward: no mask bytes cross the socket.
-Under the overlap schedule the tokens to accept come through the token feed (`token_feed`), straight from the
-sampler.
+Under the overlap schedule the tokens to accept come through the token feed (`token_feed`, which describes that
+protocol), straight from the sampler.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 import zmq
@@ -23,34 +22,11 @@ from gramserve.grammar.backends.base import GrammarOptions
 from gramserve.grammar.fill import resolve_fill_threads
 from gramserve.grammar.grammar_shm import attach_grammar_shm
 from gramserve.grammar.service import GrammarService
-from gramserve.grammar.token_feed import FeedReader
+from gramserve.grammar.token_feed import FeedReader, ShardState, take_fed_ids
 from gramserve.ipc import SCHEDULER_GRAMMAR_IN, exit_when_parent_dies, grammar_inbox, pull_socket, push_socket
 from gramserve.messages import GrammarCompileReq, GrammarStepReq, GrammarStepResp
 
 logger = logging.getLogger(__name__)
-
-FEED_TIMEOUT_S = 60.0  # a step's ids are due within one forward; this only guards against a dead scheduler
-
-
-@dataclass
-class FedRows:
-    """This process's rows of the last step sent with `fed` (`GrammarStepReq.repeat_fed` reuses them)."""
-
-    fill: list[tuple[str, int]]
-    fed: list[tuple[str, int]]
-    positions: list[int]
-    rids: list[str]
-
-    @classmethod
-    def of(cls, msg: GrammarStepReq) -> FedRows:
-        return cls(msg.fill, msg.fed, [pos for _, pos in msg.fed], [rid for rid, _ in msg.fed])
-
-
-@dataclass
-class ShardState:
-    """What one grammar worker keeps between step messages."""
-
-    last_fed: FedRows | None = None
 
 
 def worker_name(shard: int, shards: int) -> str:
@@ -117,17 +93,7 @@ def handle(service: GrammarService, msg, to_scheduler: zmq.Socket, feed: FeedRea
     state = state if state is not None else ShardState()
     if isinstance(msg, GrammarStepReq):
         try:
-            rows = None
-            if msg.repeat_fed:
-                rows = state.last_fed
-                if rows is None:
-                    raise RuntimeError(f"step {msg.step} repeats the fed rows, but none were sent before")
-                msg.fill, msg.fed = rows.fill, rows.fed
-            elif msg.fed:
-                rows = state.last_fed = FedRows.of(msg)
-            if rows is not None:
-                ids = feed.wait(msg.step, rows.positions, busy=msg.busy_poll_ms > 0, timeout_s=FEED_TIMEOUT_S)
-                msg.accept = msg.accept + list(zip(rows.rids, ids))
+            take_fed_ids(msg, state, feed)
             resp = service.step(msg)
             resp.shard = shard
             to_scheduler.send_pyobj(resp)

@@ -16,7 +16,7 @@ Two ways a slot gets its next mask:
   refill at once: the mask for the next step exists before the scheduler has even read the ids itself.
 
 In steady decode the constrained rows are the same from step to step. The client then remembers the last fed
-layout (`_FedLayout`): the next step's masks come without per-row work, and each shard is told to reuse its
+layout (`token_feed.FedLayout`): the next step's masks come without per-row work, and each shard is told to reuse its
 rows of the last fed step (`GrammarStepReq.repeat_fed`) instead of being sent them again.
 
 Compile results arrive asynchronously and are collected with `poll_compiles`.
@@ -28,14 +28,13 @@ import heapq
 import logging
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 
 import torch
 import zmq
 
 from gramserve.config import ServerArgs
 from gramserve.grammar.grammar_shm import attach_grammar_shm, page_lock, page_unlock
-from gramserve.grammar.token_feed import FeedWriter
+from gramserve.grammar.token_feed import FedLayout, FeedWriter
 from gramserve.ipc import SCHEDULER_GRAMMAR_IN, grammar_inbox, pull_socket, push_socket
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
 from gramserve.sampling.grammar_masks import MaskApplier
@@ -49,20 +48,6 @@ RECENT_GRAMMARS = 512  # per shard: grammars remembered as compiled there (its c
 
 class GrammarWorkerError(RuntimeError):
     pass
-
-
-@dataclass
-class _FedLayout:
-    """The constrained rows of the last fed step: which requests (`rids`), at which positions of the sampled ids,
-    in which slots, on which shards; `step`: the fed step. Valid while no slot changes hands."""
-
-    rids: list[str]
-    positions: list[int]
-    slots: list[int]
-    shards: list[int]
-    step: int = 0
-    rows: list[int] | None = None  # the logits rows of the last `masks_for` that hit this layout
-    pairs: list[tuple[int, int]] | None = None  # ... and its (row, slot) pairs (the same list object each hit)
 
 
 class GrammarClient:
@@ -87,7 +72,7 @@ class GrammarClient:
         self._slots: dict[str, int] = {}
         self._free_slots = list(range(self.bitmask.shape[0]))  # a heap: the lowest free slot first
         self._fresh: dict[str, int] = {}  # rid -> the fed step whose fill holds its next mask
-        self._layout: _FedLayout | None = None
+        self._layout: FedLayout | None = None
         self._feed: FeedWriter | None = None
         self._pinned = False
         self._masks: MaskApplier | None = None
@@ -196,9 +181,7 @@ class GrammarClient:
         layout's, with no per-row work."""
         lay = self._layout
         if lay is not None and rids == lay.rids:
-            if rows != lay.rows:
-                lay.rows, lay.pairs = rows, list(zip(rows, lay.slots))
-            return lay.pairs, lay.step
+            return lay.pairs_for(rows), lay.step
         slots, fresh, free_slots = self._slots, self._fresh, self._free_slots
         pairs, fill, step = [], [], 0
         for row, rid in zip(rows, rids):
@@ -271,7 +254,7 @@ class GrammarClient:
                 fill.append((rid, slot))
                 fed.append((rid, pos))
             step = self._send(parts)
-            lay = self._layout = _FedLayout(rids, positions, slot_list, [i for i, (f, _) in enumerate(parts) if f])
+            lay = self._layout = FedLayout(rids, positions, slot_list, [i for i, (f, _) in enumerate(parts) if f])
         lay.step = step
         self._fresh.update(dict.fromkeys(rids, step))
         self.timing["fed_steps"] += 1
