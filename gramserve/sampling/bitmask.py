@@ -29,6 +29,7 @@ def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
 
 _xgr_apply = None
 _xgr_apply_broken: set[str] = set()
+_XGR_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what xgrammar's kernels take
 
 
 _BIT_VALUES = [(1 << b) - (1 << 32) if b == 31 else 1 << b for b in range(32)]
@@ -56,7 +57,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     if bm.shape[0] != lg.shape[0]:
         raise ValueError(f"bitmask rows {bm.shape[0]} != logits rows {lg.shape[0]}")
     dev = lg.device.type
-    if dev not in _xgr_apply_broken and lg.is_contiguous() and lg.dtype in (torch.float32, torch.float16, torch.bfloat16):
+    if dev not in _xgr_apply_broken and lg.is_contiguous() and lg.dtype in _XGR_DTYPES:
         try:
             if _xgr_apply is None:
                 from xgrammar import apply_token_bitmask_inplace as fn

@@ -4,7 +4,7 @@ The grammar worker writes one bitmask row per constrained request (its slot) int
 `MaskApplier.apply(logits, pairs)` masks `logits[row]` with bitmask row `slot` for each (row, slot).
 
 * CPU: `apply_bitmask` on the gathered rows.
-* CUDA: the shared bitmask is page-locked (by the GrammarClient, `grammar_shm.page_lock`), so the rows up to
+* CUDA: the shared bitmask is page-locked (`GrammarClient.attach`, before the applier is made), so the rows up to
   the highest slot in use go to the GPU in one asynchronous copy with no host-side copy; the (row, slot) pairs
   go through a small page-locked buffer, and only when they change (steady decode: never); one Triton kernel
   (`bitmask_kernel`) applies them and also disallows logits columns past the grammar's vocabulary. Nothing

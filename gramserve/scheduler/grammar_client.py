@@ -36,7 +36,6 @@ from gramserve.grammar.grammar_shm import attach_grammar_shm, page_lock, page_un
 from gramserve.grammar.token_feed import FedLayout, FeedWriter
 from gramserve.ipc import SCHEDULER_GRAMMAR_IN, grammar_inbox, pull_socket, push_socket
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
-from gramserve.sampling.grammar_masks import MaskApplier
 from gramserve.scheduler.grammar_slots import SlotTable
 
 logger = logging.getLogger(__name__)
@@ -77,24 +76,24 @@ class GrammarClient:
         self._layout: FedLayout | None = None
         self._feed: FeedWriter | None = None
         self._pinned = False
-        self._masks: MaskApplier | None = None
         # Poll for replies without sleeping (the scheduler sets it on a GPU, where the step is short and cores
         # are many): a round trip through a blocked process cost ~0.7 ms more on the H100 host (docs/benchmarks.md).
         self.busy_poll = False
         # Where constrained steps spend the scheduler's time (ms, cumulative; /get_server_info shows them).
         # steps: grammar steps sent (to one shard or more); fed_steps: those whose tokens came through the token
         # feed, repeated_fed_steps: those that reused the last fed step's rows; replies: the shards' answers;
-        # fill_ms: accept + fill time in the grammar workers, summed over shards.
+        # fill_ms: accept + fill time in the grammar workers, summed over shards; apply_ms: masking the logits
+        # (the scheduler's MaskApplier; the scheduler adds it here).
         self.timing = {"steps": 0, "fed_steps": 0, "repeated_fed_steps": 0, "replies": 0,
                        "wait_after_forward_ms": 0.0, "apply_ms": 0.0, "fill_ms": 0.0}
 
     def attach(self, device: torch.device, use_feed: bool) -> None:
-        """Bind to the scheduler's device: masks are applied there; `use_feed` turns the token feed on."""
+        """Bind to the scheduler's device, before anything copies masks out of the shared memory or ids into it;
+        `use_feed` turns the token feed on."""
         cuda = device.type == "cuda"
         self.busy_poll = cuda
         # On CUDA the whole segment is page-locked once: the GPU copies masks out of it and ids into it.
         pinned = self._pinned = cuda and page_lock(self._shared.segment)
-        self._masks = MaskApplier(self.bitmask, device, pinned=pinned)
         if use_feed and (pinned or not cuda):
             self._feed = FeedWriter(self._shared.feed, device)
         elif use_feed:
@@ -112,6 +111,11 @@ class GrammarClient:
         self._feed = None
         self._slots.clear_fed()
         self._layout = None
+
+    @property
+    def pinned(self) -> bool:
+        """The shared segment is page-locked (CUDA, after `attach`): masks are copied to the GPU straight out of it."""
+        return self._pinned
 
     @property
     def feeding(self) -> bool:
@@ -304,9 +308,3 @@ class GrammarClient:
         self._rejected.update(resp.rejected)
         self.timing["replies"] += 1
         self.timing["fill_ms"] += resp.fill_ms
-
-    def apply(self, logits: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-        """Mask `logits[row]` in place with bitmask row `slot`, for each (row, slot)."""
-        t0 = time.perf_counter()
-        self._masks.apply(logits, pairs)
-        self.timing["apply_ms"] += (time.perf_counter() - t0) * 1e3
