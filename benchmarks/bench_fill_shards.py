@@ -5,7 +5,7 @@ bench's schema (``bench_gpu.SCHEMA``) each take a random allowed token per step,
 weights (so most of them sit inside JSON strings). Modes:
 
 * ``single tN``: one process, ``accept_token`` per row, then one ``BatchGrammarMatcher(N)`` fill (the
-  grammar process's path with one shard);
+  grammar worker's path with one shard);
 * ``procs K``: K worker processes, each owning B/K rows, accepting with ``batch_accept_token`` and filling
   on one thread into one shared bitmask; the steps are driven through shared-memory words that both sides
   poll without sleeping, as the token feed does. The time is from the step's start until every worker is

@@ -1,7 +1,7 @@
 """GPU benchmark of gramserve in one run, with a short table printed last.
 
 Drives the engine in-process (Scheduler + ModelRunner, no HTTP server and no detokenizer; grammar masks come
-from the server's own GrammarBackend process, with the token feed as in serving), on dummy bf16 weights in
+from the server's own grammar workers, with the token feed as in serving), on dummy bf16 weights in
 the shapes of Llama-3.1-8B and Llama-3.2-1B:
 
 1. decode at batch 1: time per output token (median scheduler step) vs the roofline, i.e. the bytes of
@@ -135,7 +135,7 @@ class Engine:
             gvocab = len(self.tokenizer)
             eos = [t for t in eos if t < gvocab]
             self.args.eos_token_ids = tuple(eos)
-            client = self._grammar_process(tokenizer_dir, gvocab)
+            client = self._grammar_workers(tokenizer_dir, gvocab)
         t0 = time.time()
         self.sched = Scheduler(self.args, self.tokenizer, client)
         if client is not None and not token_feed:
@@ -156,8 +156,8 @@ class Engine:
             self.add(list(range(100, 100 + n)), 4)
         self.run()
 
-    def _grammar_process(self, tokenizer_dir: str, gvocab: int):
-        """The server's own GrammarBackend process and GrammarClient (ZeroMQ + shared-memory bitmask and token
+    def _grammar_workers(self, tokenizer_dir: str, gvocab: int):
+        """The server's own grammar workers and GrammarClient (ZeroMQ + shared-memory bitmask and token
         feed)."""
         import multiprocessing as mp
         import tempfile
@@ -165,7 +165,7 @@ class Engine:
         import zmq
 
         from gramserve.grammar.grammar_shm import create_grammar_shm
-        from gramserve.grammar.process import run_grammar_process
+        from gramserve.grammar.worker import run_grammar_worker
         from gramserve.scheduler.grammar_client import GrammarClient
 
         class TimedGrammarClient(GrammarClient):
@@ -185,12 +185,12 @@ class Engine:
         self._gprocs = []
         for shard in range(self.args.grammar_shards):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=run_grammar_process, args=(self.args, tokenizer_dir, writer, shard), daemon=True)
+            proc = ctx.Process(target=run_grammar_worker, args=(self.args, tokenizer_dir, writer, shard), daemon=True)
             proc.start()
             self._gprocs.append((proc, reader))
         for proc, reader in self._gprocs:
             if not reader.poll(180):
-                raise RuntimeError("grammar process did not start")
+                raise RuntimeError("grammar worker did not start")
             msg = reader.recv()
             if "error" in msg:
                 raise RuntimeError(msg["error"])
@@ -600,7 +600,7 @@ def main() -> None:
     p.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--grammar-shards", type=int, default=None, help="default: the server's for the device")
     p.add_argument("--no-busy-poll", action="store_true",
-                   help="grammar hand-off without polling: the scheduler and the grammar processes block")
+                   help="grammar hand-off without polling: the scheduler and the grammar workers block")
     p.add_argument("--compare-plain", action="store_true",
                    help="also run decode b1 and throughput with the overlap schedule off (rows '<model> plain')")
     p.add_argument("--skip", default="", help="comma list of: attention,decode,throughput,hf,grammar")

@@ -44,7 +44,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def select_files(corpus: Path, limit: int | None) -> list[Path]:
-    from gramserve.grammar.backends.evaluate import corpus_files, stratified_sample
+    from tests.grammar_eval import corpus_files, stratified_sample
 
     files = corpus_files(corpus)
     if limit is None or limit >= len(files):
@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from gramserve.grammar.backends import BACKEND_NAMES, GrammarOptions
-    from gramserve.grammar.backends.evaluate import run_corpus
     from gramserve.model.loader import default_tokenizer_dir
+    from tests.grammar_eval import run_corpus
 
     if not args.corpus.is_dir():
         print(f"corpus not found: {args.corpus}", file=sys.stderr)

@@ -57,7 +57,7 @@ class Result:
 
 def load_cases(backend, tokenizer, corpus: Path, count: int, max_bytes: int) -> list[Case]:
     from gramserve.grammar.backends import GrammarCompileError, GrammarSpec
-    from gramserve.grammar.backends.evaluate import small_cases
+    from tests.grammar_eval import small_cases
 
     cases = []
     for _, text, valid in small_cases(corpus, 20, max_bytes):
@@ -85,8 +85,8 @@ def new_lane(backend, case: Case, depth: int) -> Lane:
 def run_batch(backend, cases: list[Case], batch: int, modes: dict, steps: int, warmup: int, seed: int) -> Result:
     import torch
 
-    from gramserve.grammar.backends import allocate_bitmask
     from gramserve.grammar.fill import fill_rows
+    from gramserve.sampling.bitmask import allocate_bitmask
 
     rng = random.Random(seed)
     lanes = [new_lane(backend, c, rng.randrange(len(c.tokens))) for c in (cases[i % len(cases)] for i in range(batch))]
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from gramserve.grammar.fill import FillPool, available_cores
     from gramserve.model.loader import default_tokenizer_dir
 
-    torch.set_num_threads(1)  # as in the grammar process
+    torch.set_num_threads(1)  # as in the grammar worker
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_tokenizer_dir())
     modes: dict[str, FillPool | None] = {"serial": None}
     for n in args.threads:

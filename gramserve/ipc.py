@@ -22,7 +22,7 @@ SCHEDULER_GRAMMAR_IN = "scheduler_grammar"  # the scheduler's second inbox: gram
 
 
 def grammar_inbox(shard: int) -> str:
-    """The inbox of GrammarBackend process `shard` (0 .. ServerArgs.grammar_shards - 1)."""
+    """The inbox of grammar worker `shard` (0 .. ServerArgs.grammar_shards - 1)."""
     return f"grammar{shard}"
 
 

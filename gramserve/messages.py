@@ -3,8 +3,8 @@
     TokenizerManager --TokenizedGenerateReq / AbortReq / ControlReq--> Scheduler
     Scheduler --BatchTokenOut / ControlResp--> Detokenizer
     Detokenizer --BatchTextOut / ControlResp (forwarded)--> TokenizerManager
-    Scheduler --GrammarCompileReq / GrammarStepReq--> GrammarBackend
-    GrammarBackend --GrammarCompileResp / GrammarStepResp--> Scheduler
+    Scheduler --GrammarCompileReq / GrammarStepReq--> grammar worker
+    grammar worker --GrammarCompileResp / GrammarStepResp--> Scheduler
 """
 
 from __future__ import annotations
@@ -60,13 +60,13 @@ class GrammarStepReq:
     accept: list[tuple[str, int]]
     fill: list[tuple[str, int]]  # (rid, bitmask row): a row belongs to one request while it runs
     free: list[str]
-    # After answering, the grammar process polls for the next step without sleeping for this long (GPU serving:
+    # After answering, the grammar worker polls for the next step without sleeping for this long (GPU serving:
     # waking a sleeping process costs more than a small batch's whole fill on some hosts).
     busy_poll_ms: float = 0.0
     # (rid, position): accepted, after `accept`, from this step's ids in the token feed (grammar/token_feed.py),
-    # which the sampler writes there; the grammar process waits for them.
+    # which the sampler writes there; the grammar worker waits for them.
     fed: list[tuple[str, int]] = field(default_factory=list)
-    # Fill and feed the same rows as the last step this process was sent with `fed` (steady decode: the scheduler
+    # Fill and feed the same rows as the last step this worker was sent with `fed` (steady decode: the scheduler
     # does not send the same rows again); `fill` and `fed` are then empty.
     repeat_fed: bool = False
 
@@ -76,7 +76,7 @@ class GrammarStepResp:
     step: int
     rejected: list[str]  # requests whose accepted token the grammar refused
     fill_ms: float = 0.0
-    shard: int = 0  # the grammar process that answered (answers of one shard come in step order)
+    shard: int = 0  # the grammar worker that answered (answers of one shard come in step order)
 
 
 @dataclass

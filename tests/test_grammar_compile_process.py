@@ -12,10 +12,11 @@ import time
 
 import pytest
 
-from gramserve.grammar.backends import GrammarOptions, allocate_bitmask
+from gramserve.grammar.backends import GrammarOptions
 from gramserve.grammar.compile_process import BackendArgs, CompileWorkerDied, ProcessCompiler
 from gramserve.grammar.service import GrammarService
 from gramserve.messages import GrammarCompileReq, GrammarRequest
+from gramserve.sampling.bitmask import allocate_bitmask
 
 EOS = 2
 RUNAWAY = "(a|b)*a(a|b){16}"  # outlines-core: minutes of CPU (the {12} version takes ~3 s)

@@ -19,12 +19,10 @@ from gramserve.grammar.backends import (
     GrammarCompileError,
     GrammarOptions,
     GrammarSpec,
-    allocate_bitmask,
-    apply_bitmask,
     create_backend,
 )
-from gramserve.grammar.backends import base as backends_base
-from gramserve.grammar.backends.evaluate import (
+from gramserve.sampling.bitmask import _torch_apply_bitmask, allocate_bitmask, apply_bitmask
+from tests.grammar_eval import (
     Summary,
     category,
     corpus_files,
@@ -475,7 +473,7 @@ def test_apply_bitmask(vocab, words, dtype):
     assert torch.equal(logits[allowed], original[allowed])
     # The pure torch fallback gives the same result.
     fallback = original.clone()
-    backends_base._torch_apply_bitmask(fallback, bitmask)
+    _torch_apply_bitmask(fallback, bitmask)
     assert torch.equal(torch.isneginf(fallback), torch.isneginf(logits))
 
 

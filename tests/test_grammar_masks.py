@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import run_in_triton_interpreter
-from gramserve.grammar.backends.base import _torch_apply_bitmask
+from gramserve.sampling.bitmask import _torch_apply_bitmask
 from gramserve.sampling.grammar_masks import MaskApplier
 
 

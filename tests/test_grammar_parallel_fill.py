@@ -17,8 +17,8 @@ import torch
 
 from gramserve.grammar.backends import BACKEND_NAMES, GrammarCompileError, GrammarOptions, GrammarSpec, create_backend
 from gramserve.grammar.backends.base import Matcher
-from gramserve.grammar.backends.evaluate import corpus_files, load_case, small_cases, stratified_sample
 from gramserve.grammar.fill import FillPool, fill_rows, resolve_fill_threads
+from tests.grammar_eval import corpus_files, load_case, small_cases, stratified_sample
 
 CORPUS = Path(__file__).parents[1] / ".." / "shared" / "corpora" / "jsonschemabench-dev"
 EOS = 2
@@ -194,7 +194,7 @@ def test_resolve_fill_threads(monkeypatch):
     assert resolve_fill_threads("auto") == 8
     monkeypatch.setattr(fill, "available_cores", lambda: 64)
     assert resolve_fill_threads(None) == 8
-    # Grammar processes share the half of the cores: 8 on 16 cores get one thread each.
+    # Grammar workers share the half of the cores: 8 on 16 cores get one thread each.
     monkeypatch.setattr(fill, "available_cores", lambda: 16)
     assert resolve_fill_threads("auto", shards=8) == 1 and resolve_fill_threads("auto", shards=2) == 4
     assert resolve_fill_threads(2, shards=8) == 2
@@ -208,9 +208,9 @@ def test_service_step_fills_in_batches(tokenizer):
     """GrammarService.step with fill threads writes what the row-by-row service writes."""
     import time
 
-    from gramserve.grammar.backends import allocate_bitmask
     from gramserve.grammar.service import GrammarService
     from gramserve.messages import GrammarCompileReq, GrammarRequest, GrammarStepReq
+    from gramserve.sampling.bitmask import allocate_bitmask
 
     vocab = len(tokenizer) + EXTRA_COLUMNS
     schemas = []

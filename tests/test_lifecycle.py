@@ -114,7 +114,7 @@ def test_scheduler_death_stops_the_server(servers, tmp_path, ipc_tmp):
     assert code != 0, log[-3000:]
     assert "scheduler process died" in log, log[-3000:]
     assert "detokenizer process died" not in log, log[-3000:]
-    assert "grammar process died" not in log, log[-3000:]
+    assert "grammar-worker process died" not in log, log[-3000:]
     left = _wait_gone(children, timeout=10)
     assert not left, f"child processes left behind: {_describe(left)}"
     assert not glob.glob(os.path.join(ipc_tmp, "gramserve-ipc-*")), "IPC folder left behind"

@@ -13,9 +13,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from gramserve.grammar.backends import GrammarSpec, create_backend
-from gramserve.grammar.backends.base import GrammarOptions, allocate_bitmask
+from gramserve.grammar.backends.base import GrammarOptions
 from gramserve.model.loader import default_tokenizer_dir
 from gramserve.parsers.tool_calls import ToolFunction, get_tool_call_parser
+from gramserve.sampling.bitmask import allocate_bitmask
 
 WEATHER = ToolFunction("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
                                        "required": ["city"]})

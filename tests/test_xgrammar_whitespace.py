@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from gramserve.grammar.backends import GrammarCompileError, GrammarOptions, GrammarSpec, create_backend
-from gramserve.grammar.backends.evaluate import small_cases
 from gramserve.grammar.backends.xgrammar_backend import inline_bounded_whitespace
+from tests.grammar_eval import small_cases
 
 xgr = pytest.importorskip("xgrammar")
 

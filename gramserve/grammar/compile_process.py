@@ -12,7 +12,7 @@ about 3x slower than it compiles and deserializing costs about one compile; llgu
 and its compiled form (an ``LLMatcher``) does not cross processes. See docs/benchmarks.md.
 
 A worker that dies on its own (a crash, the OOM killer) fails its compile with an error and is replaced,
-where a crash on a compile thread would take the grammar process down. Workers are plain subprocesses
+where a crash on a compile thread would take the grammar worker down. Compile workers are plain subprocesses
 (``python -m gramserve.grammar.compile_process FD``), so they can be started from a daemonic process too;
 they exit when their parent goes away.
 """

@@ -34,7 +34,7 @@ MAX_AUTO_THREADS = 8
 
 
 def resolve_fill_threads(value: int | str | None, shards: int = 1) -> int:
-    """``"auto"``/None -> this process's share of half the cores (shared by ``shards`` grammar processes),
+    """``"auto"``/None -> this process's share of half the cores (shared by ``shards`` grammar workers),
     1 to 8 (the other half serves the scheduler, HTTP and the compile threads); an int as given; 0 turns
     batching off."""
     if value is None or value == AUTO:

@@ -1,4 +1,4 @@
-"""The shared memory between the scheduler and the GrammarBackend process: one segment, made by the launcher.
+"""The shared memory between the scheduler and the grammar worker: one segment, made by the launcher.
 
 Layout: the token feed (`token_feed.py`: int64 words, padded to whole pages), then the token bitmask
 ([max_running_requests, ceil(vocab / 32)] int32, bit set = token allowed, one row per running constrained
@@ -14,8 +14,8 @@ from multiprocessing import shared_memory
 
 import torch
 
-from gramserve.grammar.backends.base import bitmask_words
 from gramserve.grammar.token_feed import feed_bytes
+from gramserve.sampling.bitmask import bitmask_words
 
 logger = logging.getLogger(__name__)
 

@@ -1,16 +1,16 @@
 """Grammar bitmasks onto the logits, on the logits' device.
 
-The grammar process writes one bitmask row per constrained request (its slot) into shared host memory;
+The grammar worker writes one bitmask row per constrained request (its slot) into shared host memory;
 `MaskApplier.apply(logits, pairs)` masks `logits[row]` with bitmask row `slot` for each (row, slot).
 
 * CPU: `apply_bitmask` on the gathered rows.
-* CUDA: the shared bitmask is page-locked (by the GrammarClient, `grammar_shm.page_lock`), so the rows up to
+* CUDA: the shared bitmask is page-locked (`GrammarClient.attach`, before the applier is made), so the rows up to
   the highest slot in use go to the GPU in one asynchronous copy with no host-side copy; the (row, slot) pairs
   go through a small page-locked buffer, and only when they change (steady decode: never); one Triton kernel
   (`bitmask_kernel`) applies them and also disallows logits columns past the grammar's vocabulary. Nothing
   waits for the GPU. (Copying on a stream of its own, beside the forward, measured slower: by the time the
   masks exist the forward is mostly done, and the stream hand-offs cost host time on the critical path.)
-  A slot is rewritten by the grammar process only after the step that read it has sampled (the next fill
+  A slot is rewritten by the grammar worker only after the step that read it has sampled (the next fill
   needs that step's tokens), or, for a slot just handed to a new request, while only a finished request's
   discarded row could still read it. If the segment could not be page-locked, the rows are staged through a
   page-locked copy instead.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from gramserve.grammar.backends.base import apply_bitmask
+from gramserve.sampling.bitmask import apply_bitmask
 
 RING = 2  # page-locked buffers for the (row, slot) pairs; one is refilled while the other's copy may be queued
 

@@ -1,44 +1,42 @@
-"""The scheduler's side of the GrammarBackend processes.
+"""The scheduler's side of the grammar workers: which worker serves which request, and the step messages.
 
-There are `ServerArgs.grammar_shards` grammar processes. Each constrained request is given to one of them (its
+There are `ServerArgs.grammar_shards` grammar workers. Each constrained request is given to one of them (its
 *shard*: the one with the fewest live requests, preferring one that compiled the same grammar lately) when its
-compile is asked for; that process keeps its matcher until `free`. Each constrained request also owns one bitmask
-row (its *slot*) while it runs. A grammar step asks every shard with work in it to accept tokens and fill slots;
-`wait` collects the answers (each shard answers in step order) before the masks are applied.
+compile is asked for; that worker keeps its matcher until `free`. Each constrained request also owns one bitmask
+row (its *slot*, `grammar_slots.SlotTable`) while it runs. A grammar step asks every shard with work in it to
+accept tokens and fill slots; `wait` collects the answers (each shard answers in step order) before the scheduler
+applies the masks (`sampling/grammar_masks.py`).
 
 Two ways a slot gets its next mask:
 * a fill asked for by the scheduler (`begin_step`), with the accepts the scheduler queued: the plain schedule
   (asked before the forward), and under overlap for rows without a fresh mask (a new request, a grammar that
   just started);
 * under overlap, eagerly: `announce_feed` tells the shards, before the step samples, which ids of the step
-  will come through the token feed (`grammar/token_feed.py`) and which slots to refill with them;
-  `publish_feed` queues the ids into the feed right after sampling. The grammar processes accept them and
-  refill at once: the mask for the next step exists before the scheduler has even read the ids itself.
+  will come through the token feed (`grammar/token_feed.py`, which describes the protocol) and which slots to
+  refill with them; `publish_feed` queues the ids into the feed right after sampling. The grammar workers accept
+  them and refill at once: the mask for the next step exists before the scheduler has even read the ids itself.
 
 In steady decode the constrained rows are the same from step to step. The client then remembers the last fed
-layout (`_FedLayout`): the next step's masks come without per-row work, and each shard is told to reuse its
-rows of the last fed step (`GrammarStepReq.repeat_fed`) instead of being sent them again.
+layout (`token_feed.FedLayout`): the next step's masks come without per-row work, and each shard is told to reuse
+its rows of the last fed step (`GrammarStepReq.repeat_fed`) instead of being sent them again.
 
 Compile results arrive asynchronously and are collected with `poll_compiles`.
 """
-
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
 
 import torch
 import zmq
 
 from gramserve.config import ServerArgs
 from gramserve.grammar.grammar_shm import attach_grammar_shm, page_lock, page_unlock
-from gramserve.grammar.token_feed import FeedWriter
+from gramserve.grammar.token_feed import FedLayout, FeedWriter
 from gramserve.ipc import SCHEDULER_GRAMMAR_IN, grammar_inbox, pull_socket, push_socket
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
-from gramserve.sampling.grammar_masks import MaskApplier
+from gramserve.scheduler.grammar_slots import SlotTable
 
 logger = logging.getLogger(__name__)
 
@@ -47,22 +45,12 @@ BUSY_POLL_MS = 20.0  # with busy_poll: how long either side polls without sleepi
 RECENT_GRAMMARS = 512  # per shard: grammars remembered as compiled there (its compile cache holds as many)
 
 
-class GrammarProcessError(RuntimeError):
+# One shard's rows of a step: (rid, slot) to fill, (rid, position) whose ids come through the token feed.
+ShardRows = tuple[list[tuple[str, int]], list[tuple[str, int]]]
+
+
+class GrammarWorkerError(RuntimeError):
     pass
-
-
-@dataclass
-class _FedLayout:
-    """The constrained rows of the last fed step: which requests (`rids`), at which positions of the sampled ids,
-    in which slots, on which shards; `step`: the fed step. Valid while no slot changes hands."""
-
-    rids: list[str]
-    positions: list[int]
-    slots: list[int]
-    shards: list[int]
-    step: int = 0
-    rows: list[int] | None = None  # the logits rows of the last `masks_for` that hit this layout
-    pairs: list[tuple[int, int]] | None = None  # ... and its (row, slot) pairs (the same list object each hit)
 
 
 class GrammarClient:
@@ -84,30 +72,28 @@ class GrammarClient:
         self._free: list[list[str]] = [[] for _ in range(self.shards)]
         self._compiled: list[GrammarCompileResp] = []
         self._rejected: set[str] = set()
-        self._slots: dict[str, int] = {}
-        self._free_slots = list(range(self.bitmask.shape[0]))  # a heap: the lowest free slot first
-        self._fresh: dict[str, int] = {}  # rid -> the fed step whose fill holds its next mask
-        self._layout: _FedLayout | None = None
+        self._slots = SlotTable(self.bitmask.shape[0])
+        self._layout: FedLayout | None = None
         self._feed: FeedWriter | None = None
         self._pinned = False
-        self._masks: MaskApplier | None = None
         # Poll for replies without sleeping (the scheduler sets it on a GPU, where the step is short and cores
         # are many): a round trip through a blocked process cost ~0.7 ms more on the H100 host (docs/benchmarks.md).
         self.busy_poll = False
         # Where constrained steps spend the scheduler's time (ms, cumulative; /get_server_info shows them).
         # steps: grammar steps sent (to one shard or more); fed_steps: those whose tokens came through the token
         # feed, repeated_fed_steps: those that reused the last fed step's rows; replies: the shards' answers;
-        # fill_ms: accept + fill time in the grammar processes, summed over shards.
+        # fill_ms: accept + fill time in the grammar workers, summed over shards; apply_ms: masking the logits
+        # (the scheduler's MaskApplier; the scheduler adds it here).
         self.timing = {"steps": 0, "fed_steps": 0, "repeated_fed_steps": 0, "replies": 0,
                        "wait_after_forward_ms": 0.0, "apply_ms": 0.0, "fill_ms": 0.0}
 
     def attach(self, device: torch.device, use_feed: bool) -> None:
-        """Bind to the scheduler's device: masks are applied there; `use_feed` turns the token feed on."""
+        """Bind to the scheduler's device, before anything copies masks out of the shared memory or ids into it;
+        `use_feed` turns the token feed on."""
         cuda = device.type == "cuda"
         self.busy_poll = cuda
         # On CUDA the whole segment is page-locked once: the GPU copies masks out of it and ids into it.
         pinned = self._pinned = cuda and page_lock(self._shared.segment)
-        self._masks = MaskApplier(self.bitmask, device, pinned=pinned)
         if use_feed and (pinned or not cuda):
             self._feed = FeedWriter(self._shared.feed, device)
         elif use_feed:
@@ -123,8 +109,13 @@ class GrammarClient:
     def stop_feed(self) -> None:
         """Send accepts through the scheduler from now on (benchmarks compare both ways)."""
         self._feed = None
-        self._fresh.clear()
+        self._slots.clear_fed()
         self._layout = None
+
+    @property
+    def pinned(self) -> bool:
+        """The shared segment is page-locked (CUDA, after `attach`): masks are copied to the GPU straight out of it."""
+        return self._pinned
 
     @property
     def feeding(self) -> bool:
@@ -132,7 +123,7 @@ class GrammarClient:
 
     @property
     def slots_in_use(self) -> int:
-        return len(self._slots)
+        return self._slots.in_use
 
     # --- compiles and request lifetime ------------------------------------------------------------
 
@@ -157,7 +148,7 @@ class GrammarClient:
 
     @property
     def live_requests(self) -> int:
-        """Requests whose matcher a grammar process holds (compiled or compiling, not yet freed)."""
+        """Requests whose matcher a grammar worker holds (compiled or compiling, not yet freed)."""
         return len(self._shard_of)
 
     def poll_compiles(self) -> list[GrammarCompileResp]:
@@ -168,11 +159,8 @@ class GrammarClient:
 
     def release_slot(self, rid: str) -> None:
         """The request stopped running (finished or retracted): its row may go to another request."""
-        slot = self._slots.pop(rid, None)
-        if slot is not None:
-            heapq.heappush(self._free_slots, slot)
+        if self._slots.release(rid):
             self._layout = None
-        self._fresh.pop(rid, None)
 
     def free(self, rid: str) -> None:
         """The request is done: drop its matcher."""
@@ -196,21 +184,8 @@ class GrammarClient:
         layout's, with no per-row work."""
         lay = self._layout
         if lay is not None and rids == lay.rids:
-            if rows != lay.rows:
-                lay.rows, lay.pairs = rows, list(zip(rows, lay.slots))
-            return lay.pairs, lay.step
-        slots, fresh, free_slots = self._slots, self._fresh, self._free_slots
-        pairs, fill, step = [], [], 0
-        for row, rid in zip(rows, rids):
-            slot = slots.get(rid)
-            if slot is None:
-                slot = slots[rid] = heapq.heappop(free_slots)
-            pairs.append((row, slot))
-            fed_step = fresh.get(rid)
-            if fed_step is None:
-                fill.append((rid, slot))
-            elif fed_step > step:
-                step = fed_step
+            return lay.pairs_for(rows), lay.step
+        pairs, fill, step = self._slots.take(rows, rids)
         if fill:
             step = max(step, self.begin_step(fill))
         return pairs, step
@@ -225,8 +200,7 @@ class GrammarClient:
             parts[shard_of.get(rid, 0)][0].append((rid, slot))
         return self._send(parts)
 
-    def _send(self, parts: list[tuple[list[tuple[str, int]], list[tuple[str, int]]]] | None,
-              repeat: list[int] = ()) -> int:
+    def _send(self, parts: list[ShardRows] | None, repeat: list[int] = ()) -> int:
         """Step `self._step + 1`: parts[shard] = (fill, fed) rows of that shard; shards in `repeat` reuse their rows
         of the last fed step. Each shard with rows or with queued accepts or frees gets its `GrammarStepReq`."""
         self._step += 1
@@ -255,27 +229,31 @@ class GrammarClient:
             return 0
         if self._feed is None or n > self._feed.rows:
             self._layout = None
-            for rid in rids:
-                self._fresh.pop(rid, None)
+            self._slots.forget_fed(rids)
             return None
         lay = self._layout
         if lay is not None and rids == lay.rids and positions == lay.positions:
             step = self._send(None, repeat=lay.shards)
             self.timing["repeated_fed_steps"] += 1
         else:
-            slots, shard_of = self._slots, self._shard_of
-            slot_list = [slots[rid] for rid in rids]
-            parts = [([], []) for _ in range(self.shards)]
-            for rid, pos, slot in zip(rids, positions, slot_list):
-                fill, fed = parts[shard_of.get(rid, 0)]
-                fill.append((rid, slot))
-                fed.append((rid, pos))
+            slots = self._slots.slots_of(rids)
+            parts = self._fed_parts(rids, positions, slots)
             step = self._send(parts)
-            lay = self._layout = _FedLayout(rids, positions, slot_list, [i for i, (f, _) in enumerate(parts) if f])
+            lay = self._layout = FedLayout(rids, positions, slots, [i for i, (fill, _) in enumerate(parts) if fill])
         lay.step = step
-        self._fresh.update(dict.fromkeys(rids, step))
+        self._slots.mark_fed(rids, step)
         self.timing["fed_steps"] += 1
         return step
+
+    def _fed_parts(self, rids: list[str], positions: list[int], slots: list[int]) -> list[ShardRows]:
+        """Per shard: the (rid, slot) rows to fill and the (rid, position) ids to take from the feed."""
+        parts = [([], []) for _ in range(self.shards)]
+        shard_of = self._shard_of
+        for rid, pos, slot in zip(rids, positions, slots):
+            fill, fed = parts[shard_of.get(rid, 0)]
+            fill.append((rid, slot))
+            fed.append((rid, pos))
+        return parts
 
     def publish_feed(self, step: int, token_ids: torch.Tensor) -> None:
         """Queue a step's sampled ids (device tensor) into the token feed, after `announce_feed` gave `step`."""
@@ -298,7 +276,7 @@ class GrammarClient:
             if time.monotonic() < spin_until:
                 self._receive(block=False)
             elif not self._receive(block=True):
-                raise GrammarProcessError(f"no mask from the grammar process for step {step}")
+                raise GrammarWorkerError(f"no mask from the grammar worker for step {step}")
         self.timing["wait_after_forward_ms"] += (time.perf_counter() - t0) * 1e3
 
     def take_rejected(self, rids) -> set[str]:
@@ -330,9 +308,3 @@ class GrammarClient:
         self._rejected.update(resp.rejected)
         self.timing["replies"] += 1
         self.timing["fill_ms"] += resp.fill_ms
-
-    def apply(self, logits: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-        """Mask `logits[row]` in place with bitmask row `slot`, for each (row, slot)."""
-        t0 = time.perf_counter()
-        self._masks.apply(logits, pairs)
-        self.timing["apply_ms"] += (time.perf_counter() - t0) * 1e3

@@ -23,7 +23,7 @@ import uvicorn
 from gramserve.config import ServerArgs
 from gramserve.detokenizer.process import run_detokenizer_process
 from gramserve.grammar.grammar_shm import create_grammar_shm
-from gramserve.grammar.process import run_grammar_process
+from gramserve.grammar.worker import run_grammar_worker, worker_name
 from gramserve.model.loader import default_tokenizer_dir, load_config_dict, resolve_model
 from gramserve.model.model_config import ModelConfig
 from gramserve.scheduler.process import run_scheduler_process
@@ -121,11 +121,8 @@ def launch_server(args: ServerArgs) -> int:
         args.grammar_shm = shm.name
         pipes = {}
         children = [("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)]
-        if args.grammar_shards == 1:
-            children.append(("grammar", run_grammar_process))
-        else:
-            children += [(f"grammar{i}", functools.partial(run_grammar_process, shard=i))
-                         for i in range(args.grammar_shards)]
+        children += [(worker_name(i, args.grammar_shards), functools.partial(run_grammar_worker, shard=i))
+                     for i in range(args.grammar_shards)]
         for name, target in children:
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_child_entry, args=(target, args, tokenizer_dir, writer), name=name)

@@ -3,7 +3,7 @@
     backend = create_backend("xgrammar", tokenizer, vocab_size, eos_token_ids, GrammarOptions())
     compiled = backend.compile(GrammarSpec("json_schema", schema_text))   # GrammarCompileError
     m = backend.matcher(compiled)
-    bitmask = allocate_bitmask(batch, vocab_size)
+    bitmask = allocate_bitmask(batch, vocab_size)                        # gramserve.sampling.bitmask
     m.fill_bitmask(bitmask, row); apply_bitmask(logits, bitmask); m.accept_token(token)
 
 Backend modules are imported lazily, so a missing optional library only breaks its own backend.
@@ -18,8 +18,6 @@ from .base import (
     GrammarOptions,
     GrammarSpec,
     Matcher,
-    allocate_bitmask,
-    apply_bitmask,
 )
 
 BACKEND_NAMES = ("xgrammar", "llguidance", "outlines")
@@ -68,8 +66,6 @@ __all__ = [
     "GrammarOptions",
     "GrammarSpec",
     "Matcher",
-    "allocate_bitmask",
-    "apply_bitmask",
     "backend_class",
     "create_backend",
 ]

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING
 import llguidance as llg
 import torch
 
+from gramserve.sampling.bitmask import bitmask_words, check_bitmask, check_bitmask_row, set_only_tokens
+
 from ._structural_tag import normalize as normalize_structural_tag
 from ._structural_tag import to_llguidance as structural_tag_to_llguidance
 from .base import (
@@ -39,13 +41,9 @@ from .base import (
     GrammarOptions,
     GrammarSpec,
     Matcher,
-    bitmask_words,
-    check_bitmask,
-    check_bitmask_row,
     looks_like_gbnf,
     parse_choices,
     parse_json_schema,
-    set_only_tokens,
 )
 
 if TYPE_CHECKING:

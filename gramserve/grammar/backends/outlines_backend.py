@@ -42,6 +42,8 @@ import outlines_core as oc
 import torch
 from outlines_core.json_schema import build_regex_from_schema
 
+from gramserve.sampling.bitmask import bitmask_words, check_bitmask_row, set_only_tokens, set_token_bits
+
 from .base import (
     JSON_OBJECT_SCHEMA,
     GrammarBackend,
@@ -49,13 +51,9 @@ from .base import (
     GrammarOptions,
     GrammarSpec,
     Matcher,
-    bitmask_words,
-    check_bitmask_row,
     parse_choices,
     parse_json_schema,
     regex_escape,
-    set_only_tokens,
-    set_token_bits,
 )
 
 logger = logging.getLogger(__name__)

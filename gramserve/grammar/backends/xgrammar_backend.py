@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING
 import torch
 import xgrammar as xgr
 
+from gramserve.sampling.bitmask import check_bitmask, check_bitmask_row, clear_columns_from, set_only_tokens
+
 from ._structural_tag import normalize as normalize_structural_tag
 from .base import (
     JSON_OBJECT_SCHEMA,
@@ -45,13 +47,9 @@ from .base import (
     GrammarOptions,
     GrammarSpec,
     Matcher,
-    check_bitmask,
-    check_bitmask_row,
-    clear_columns_from,
     looks_like_gbnf,
     parse_choices,
     parse_json_schema,
-    set_only_tokens,
 )
 
 if TYPE_CHECKING:

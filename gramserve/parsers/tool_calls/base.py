@@ -82,7 +82,7 @@ class ToolCallParser(ABC):
     name: ClassVar[str]
     # Regex (``regex`` module syntax) matching the start of a call region.
     start_pattern: ClassVar[str]
-    # Marker strings of the format that some tokenizers make single special tokens: the grammar process
+    # Marker strings of the format that some tokenizers make single special tokens: the grammar worker
     # lets those tokens stand for their text, so a constrained call can use them.
     markers: ClassVar[tuple[str, ...]] = ()
 

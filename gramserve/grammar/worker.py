@@ -1,19 +1,18 @@
-"""The GrammarBackend process: serves compile and per-step mask requests from the scheduler.
+"""The grammar worker: a process that serves compile and per-step mask requests from the scheduler.
 
 There are ``--grammar-shards`` of them; the scheduler's GrammarClient puts each constrained request in one
 (its *shard*), which compiles its grammar, keeps its matcher, accepts its tokens and fills its bitmask row.
 
 Masks are written into a shared-memory bitmask ([max_running_requests, ceil(vocab / 32)] int32, bit set =
 token allowed; `grammar_shm.py`) that the scheduler reads after its forward: no mask bytes cross the socket.
-Under the overlap schedule the tokens to accept come through the token feed (`token_feed`), straight from the
-sampler.
+Under the overlap schedule the tokens to accept come through the token feed (`token_feed`, which describes that
+protocol), straight from the sampler.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 import zmq
@@ -23,40 +22,22 @@ from gramserve.grammar.backends.base import GrammarOptions
 from gramserve.grammar.fill import resolve_fill_threads
 from gramserve.grammar.grammar_shm import attach_grammar_shm
 from gramserve.grammar.service import GrammarService
-from gramserve.grammar.token_feed import FeedReader
+from gramserve.grammar.token_feed import FeedReader, ShardState, take_fed_ids
 from gramserve.ipc import SCHEDULER_GRAMMAR_IN, exit_when_parent_dies, grammar_inbox, pull_socket, push_socket
 from gramserve.messages import GrammarCompileReq, GrammarStepReq, GrammarStepResp
 
 logger = logging.getLogger(__name__)
 
-FEED_TIMEOUT_S = 60.0  # a step's ids are due within one forward; this only guards against a dead scheduler
+
+def worker_name(shard: int, shards: int) -> str:
+    """How logs name grammar worker `shard` of `shards`."""
+    return "grammar-worker" if shards == 1 else f"grammar-worker{shard}"
 
 
-@dataclass
-class FedRows:
-    """This process's rows of the last step sent with `fed` (`GrammarStepReq.repeat_fed` reuses them)."""
-
-    fill: list[tuple[str, int]]
-    fed: list[tuple[str, int]]
-    positions: list[int]
-    rids: list[str]
-
-    @classmethod
-    def of(cls, msg: GrammarStepReq) -> FedRows:
-        return cls(msg.fill, msg.fed, [pos for _, pos in msg.fed], [rid for rid, _ in msg.fed])
-
-
-@dataclass
-class ShardState:
-    """What one grammar process keeps between step messages."""
-
-    last_fed: FedRows | None = None
-
-
-def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard: int = 0) -> None:
-    """Entry point (multiprocessing spawn) of grammar process `shard`. args.grammar_shm names the bitmask shared
+def run_grammar_worker(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard: int = 0) -> None:
+    """Entry point (multiprocessing spawn) of grammar worker `shard`. args.grammar_shm names the bitmask shared
     memory."""
-    name = "grammar" if args.grammar_shards == 1 else f"grammar{shard}"
+    name = worker_name(shard, args.grammar_shards)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s [{name}] %(levelname)s %(message)s")
     exit_when_parent_dies()
     torch.set_num_threads(1)
@@ -73,7 +54,7 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard:
                                  fill_threads=resolve_fill_threads(args.grammar_fill_threads, args.grammar_shards))
         feed = FeedReader(shared.shm.buf, args.max_running_requests)
     except Exception as exc:  # noqa: BLE001 - reported to the launcher
-        logger.exception("grammar process failed to start")
+        logger.exception("grammar worker failed to start")
         ready_pipe.send({"error": f"{type(exc).__name__}: {exc}"})
         return
     ctx = zmq.Context()
@@ -108,21 +89,11 @@ def run_grammar_process(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard:
 
 def handle(service: GrammarService, msg, to_scheduler: zmq.Socket, feed: FeedReader, shard: int = 0,
            state: ShardState | None = None) -> None:
-    """Answer one message; `state` is this process's, kept between calls."""
+    """Answer one message; `state` is this worker's, kept between calls."""
     state = state if state is not None else ShardState()
     if isinstance(msg, GrammarStepReq):
         try:
-            rows = None
-            if msg.repeat_fed:
-                rows = state.last_fed
-                if rows is None:
-                    raise RuntimeError(f"step {msg.step} repeats the fed rows, but none were sent before")
-                msg.fill, msg.fed = rows.fill, rows.fed
-            elif msg.fed:
-                rows = state.last_fed = FedRows.of(msg)
-            if rows is not None:
-                ids = feed.wait(msg.step, rows.positions, busy=msg.busy_poll_ms > 0, timeout_s=FEED_TIMEOUT_S)
-                msg.accept = msg.accept + list(zip(rows.rids, ids))
+            take_fed_ids(msg, state, feed)
             resp = service.step(msg)
             resp.shard = shard
             to_scheduler.send_pyobj(resp)

@@ -12,7 +12,9 @@ threads or thread pools are inherited): a compile that exceeds the time limit ge
 killed (a compile cannot be interrupted otherwise, and an abandoned compile thread would keep a core
 busy) and a fresh worker continues with the next file.
 
-Used by ``tests/test_grammar_corpus.py`` and ``benchmarks/bench_grammar.py``; no model needed.
+Used by tests (``test_grammar_corpus.py``, ``test_grammar_parallel_fill.py``, ``test_xgrammar_whitespace.py``) and
+benchmarks (``bench_grammar.py``, ``bench_mask_fill.py``), as ``tests.grammar_eval`` with the repository root on
+``sys.path``; no model needed.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .base import GrammarBackend, GrammarCompileError, GrammarSpec, allocate_bitmask
+from gramserve.grammar.backends import GrammarBackend, GrammarCompileError, GrammarSpec, create_backend
+from gramserve.sampling.bitmask import allocate_bitmask
 
 
 def category(path: Path) -> str:
@@ -95,7 +98,8 @@ class SchemaResult:
     mismatches: int = 0  # mask/accept_token disagreements (when masks are checked)
 
 
-def compile_with_timeout(backend: GrammarBackend, spec: GrammarSpec, timeout_s: float) -> tuple[str, object, float, str]:
+def compile_with_timeout(backend: GrammarBackend, spec: GrammarSpec,
+                         timeout_s: float) -> tuple[str, object, float, str]:
     """(status, compiled, seconds, error). A compile still running after timeout_s is abandoned
     (its daemon thread finishes in the background; all three libraries release the GIL)."""
     box: dict = {}
@@ -125,7 +129,8 @@ def _allowed(bitmask, token: int) -> bool:
     return bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
 
 
-def walk(backend: GrammarBackend, compiled, token_ids: list[int], *, bitmask=None, check_mask=False, mask_times=None, result=None) -> bool:
+def walk(backend: GrammarBackend, compiled, token_ids: list[int], *, bitmask=None, check_mask=False, mask_times=None,
+         result=None) -> bool:
     """Feed tokens then EOS; True when all are accepted and the matcher ends terminated.
     With a bitmask: fill it before every token (timing it into mask_times when given) and, with
     check_mask, count disagreements between the mask and accept_token in result.mismatches."""
@@ -196,7 +201,8 @@ def run_schema(
         for text in texts:
             ids = tokenizer.encode(text, add_special_tokens=False)
             times = res.mask_s if (time_masks and valid) else None
-            outcomes.append(walk(backend, compiled, ids, bitmask=bitmask, check_mask=check_mask, mask_times=times, result=res))
+            outcomes.append(walk(backend, compiled, ids, bitmask=bitmask, check_mask=check_mask, mask_times=times,
+                                 result=res))
         if valid:
             res.valid_total += 1
             res.valid_accepted += all(outcomes)
@@ -237,8 +243,6 @@ class Summary:
 
 
 def _worker(conn, backend_name, tokenizer, vocab_size, eos, options, paths, kwargs) -> None:
-    from . import create_backend
-
     try:
         backend = create_backend(backend_name, tokenizer, vocab_size, eos, options)
     except BaseException as e:  # noqa: BLE001
@@ -263,7 +267,7 @@ _PRELOAD = [
     "llguidance",
     "llguidance.hf",
     "outlines_core",
-    "gramserve.grammar.backends.evaluate",
+    __name__,  # this module, as the caller imported it (the worker function is pickled by that name)
 ]
 
 
@@ -301,7 +305,8 @@ def run_corpus(
         parent, child = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_worker,
-            args=(child, backend_name, tokenizer, vocab_size, eos_token_ids, options, [str(f) for f in files[start:]], kwargs),
+            args=(child, backend_name, tokenizer, vocab_size, eos_token_ids, options, [str(f) for f in files[start:]],
+                  kwargs),
             daemon=True,
         )
         proc.start()
@@ -321,7 +326,8 @@ def run_corpus(
                     r = SchemaResult(files[current].name, "timeout", compile_s=time.monotonic() - since,
                                      error=f"compile took longer than {timeout_s:g} s")
                 else:
-                    r = SchemaResult(files[current].name, "error", error=f"walking the instances took longer than {walk_timeout_s:g} s")
+                    r = SchemaResult(files[current].name, "error",
+                                     error=f"walking the instances took longer than {walk_timeout_s:g} s")
                 record(r, current)
                 next_start = current + 1
                 break
@@ -331,7 +337,8 @@ def run_corpus(
                 proc.join()
                 if current is None:
                     raise RuntimeError(f"{backend_name} worker died at startup (exit code {proc.exitcode})") from None
-                record(SchemaResult(files[current].name, "error", error=f"worker died (exit code {proc.exitcode})"), current)
+                record(SchemaResult(files[current].name, "error", error=f"worker died (exit code {proc.exitcode})"),
+                       current)
                 next_start = current + 1
                 break
             now = time.monotonic()
