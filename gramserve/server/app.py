@@ -4,44 +4,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gramserve.config import ServerArgs
-from gramserve.sampling.params import SamplingParams, SamplingParamsError
+from gramserve.sampling.params import SamplingParams
 from gramserve.server import protocol as P
+from gramserve.server.error_handlers import error_response, register_error_handlers
+from gramserve.server.errors import InvalidRequestError, ModelNotServedError
 from gramserve.server.openai_serving import OpenAIServing, prefetch_first
 from gramserve.server.structured_outputs import grammar_from_fields
-from gramserve.server.tokenizer_manager import (
-    ClientDisconnectedError, EngineError, InvalidRequestError, ServerBusyError, TokenizerManager,
-)
-
-logger = logging.getLogger(__name__)
-
-
-def error_response(status: int, message: str, err_type: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> JSONResponse:
-    body = P.ErrorResponse(error=P.ErrorDetail(message=message, type=err_type, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
-
-
-class ModelNotServedError(Exception):
-    pass
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if param is None and loc:
-            param = loc[0]
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
-    return "; ".join(parts) or "invalid request", param
+from gramserve.server.tokenizer_manager import TokenizerManager
 
 
 _NATIVE_SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)} | {"sampling_seed"}
@@ -77,48 +53,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, runner_info: dict) -> Fas
     async def _start() -> None:
         tm.start()
 
-    # --- errors ---------------------------------------------------------------------------------
-
-    @app.exception_handler(RequestValidationError)
-    async def _on_validation(_: Request, exc: RequestValidationError):
-        msg, param = _validation_message(exc)
-        return error_response(400, msg, param=param)
-
-    @app.exception_handler(InvalidRequestError)
-    async def _on_invalid(_: Request, exc: InvalidRequestError):
-        return error_response(400, str(exc), param=exc.param)
-
-    @app.exception_handler(SamplingParamsError)
-    async def _on_sampling(_: Request, exc: SamplingParamsError):
-        return error_response(400, str(exc), param=exc.param)
-
-    @app.exception_handler(ModelNotServedError)
-    async def _on_model(_: Request, exc: ModelNotServedError):
-        return error_response(404, str(exc), param="model", code="model_not_found")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _on_http(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail),
-                              err_type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
-
-    @app.exception_handler(ClientDisconnectedError)
-    async def _on_disconnect(_: Request, exc: ClientDisconnectedError):
-        return error_response(499, "client closed the request", err_type="client_closed_request")
-
-    @app.exception_handler(ServerBusyError)
-    async def _on_busy(_: Request, exc: ServerBusyError):
-        resp = error_response(503, str(exc), err_type="server_busy")
-        resp.headers["Retry-After"] = "1"
-        return resp
-
-    @app.exception_handler(EngineError)
-    async def _on_engine(_: Request, exc: EngineError):
-        return error_response(500, str(exc), err_type="internal_error")
-
-    @app.exception_handler(Exception)
-    async def _on_internal(_: Request, exc: Exception):
-        logger.exception("internal error")
-        return error_response(500, f"internal server error: {type(exc).__name__}", err_type="internal_error")
+    register_error_handlers(app)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in (args.model_name, "default"):

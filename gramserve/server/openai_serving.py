@@ -17,8 +17,9 @@ from gramserve.parsers.tool_calls import detect_tool_call_parser, get_tool_call_
 from gramserve.sampling.params import SamplingParams
 from gramserve.server import protocol as P
 from gramserve.server.chat_output import ChoiceStream, DeltaFields, final_output, finish_reason
+from gramserve.server.errors import InvalidRequestError
 from gramserve.server.structured_outputs import BACKENDS, grammar_from_fields
-from gramserve.server.tokenizer_manager import GenerateOutput, InvalidRequestError, TokenizerManager
+from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 from gramserve.server.tool_requests import ToolPlan, plan_tools, render_messages, template_supports_tools, tool_grammar
 
 MAX_TOP_LOGPROBS = 20

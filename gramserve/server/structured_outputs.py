@@ -15,7 +15,7 @@ from typing import Any
 
 from gramserve.config import ServerArgs
 from gramserve.messages import GrammarRequest
-from gramserve.server.tokenizer_manager import InvalidRequestError
+from gramserve.server.errors import InvalidRequestError
 
 BACKENDS = ("xgrammar", "llguidance", "outlines", "auto")
 

@@ -23,30 +23,11 @@ from gramserve.messages import (
     TokenLogprob,
 )
 from gramserve.sampling.params import SamplingParams
+from gramserve.server.errors import ClientDisconnectedError, EngineError, InvalidRequestError, ServerBusyError
 
 logger = logging.getLogger(__name__)
 
 DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request checks that its client is still there
-
-
-class InvalidRequestError(ValueError):
-    """A request the client must fix; becomes a 400."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class ServerBusyError(Exception):
-    """The waiting queue is full; becomes a 503 with Retry-After."""
-
-
-class EngineError(Exception):
-    """The engine failed the request before producing anything; becomes a 500."""
-
-
-class ClientDisconnectedError(Exception):
-    """The HTTP client went away; the request was aborted."""
 
 
 @dataclass
