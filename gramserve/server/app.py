@@ -2,47 +2,24 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gramserve.config import ServerArgs
-from gramserve.sampling.params import SamplingParams
 from gramserve.server import protocol as P
 from gramserve.server.error_handlers import error_response, register_error_handlers
 from gramserve.server.errors import InvalidRequestError, ModelNotServedError
 from gramserve.server.openai_serving import OpenAIServing, prefetch_first
+from gramserve.server.sampling_request import native_sampling_params
 from gramserve.server.structured_outputs import grammar_from_fields
 from gramserve.server.tokenizer_manager import TokenizerManager
 
 
-_NATIVE_SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)} | {"sampling_seed"}
 _NATIVE_GRAMMAR_KEYS = {"json_schema", "regex", "ebnf", "structural_tag", "choice", "grammar_backend",
                         "response_format", "structured_outputs"}
-
-
-def native_sampling_params(d: dict[str, Any]) -> SamplingParams:
-    unknown = set(d) - _NATIVE_SAMPLING_KEYS
-    if unknown:
-        raise InvalidRequestError(f"unknown sampling_params: {sorted(unknown)}", "sampling_params")
-    d = dict(d)
-    if "sampling_seed" in d:
-        d["seed"] = d.pop("sampling_seed")
-    stop = d.get("stop")
-    d["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    d["stop_token_ids"] = tuple(d.get("stop_token_ids") or ())
-    if "logit_bias" in d:
-        d["logit_bias"] = {int(k): float(v) for k, v in (d["logit_bias"] or {}).items()}
-    if d.get("top_k") == 0:
-        d["top_k"] = -1
-    try:
-        return SamplingParams(**d)
-    except TypeError as exc:
-        raise InvalidRequestError(f"bad sampling_params: {exc}", "sampling_params") from exc
 
 
 def create_app(args: ServerArgs, tm: TokenizerManager, runner_info: dict) -> FastAPI:
@@ -126,8 +103,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, runner_info: dict) -> Fas
         sampling = dict(req.sampling_params)
         grammar_fields = {k: sampling.pop(k) for k in list(sampling) if k in _NATIVE_GRAMMAR_KEYS}
         grammar = grammar_from_fields(grammar_fields, args)
-        params = native_sampling_params(sampling)
-        params.validate(tm.vocab_size)
+        params = native_sampling_params(sampling, tm.vocab_size)
         tm.check_lengths(input_ids, params)
         gen = await prefetch_first(tm.generate(
             input_ids, params, rid=req.rid, return_logprob=req.return_logprob, top_logprobs=req.top_logprobs_num,

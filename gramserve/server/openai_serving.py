@@ -18,6 +18,7 @@ from gramserve.sampling.params import SamplingParams
 from gramserve.server import protocol as P
 from gramserve.server.chat_output import ChoiceStream, DeltaFields, final_output, finish_reason
 from gramserve.server.errors import InvalidRequestError
+from gramserve.server.sampling_request import openai_sampling_params
 from gramserve.server.structured_outputs import BACKENDS, grammar_from_fields
 from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 from gramserve.server.tool_requests import ToolPlan, plan_tools, render_messages, template_supports_tools, tool_grammar
@@ -29,32 +30,6 @@ def _finish_reason(out: GenerateOutput) -> str | None:
     if out.finished is None:
         return None
     return {"stop": "stop", "length": "length", "abort": "abort"}.get(out.finished.type, out.finished.type)
-
-
-def sampling_from_request(req: P._SamplingFields, max_tokens: int | None) -> SamplingParams:
-    stop = req.stop
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    try:
-        bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
-    except ValueError as exc:
-        raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias") from exc
-    return SamplingParams(
-        max_new_tokens=max_tokens,
-        min_new_tokens=req.min_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k in (None, 0) else req.top_k,
-        min_p=req.min_p or 0.0,
-        frequency_penalty=req.frequency_penalty,
-        presence_penalty=req.presence_penalty,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        seed=req.seed,
-        logit_bias=bias,
-        stop=stops,
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=req.ignore_eos,
-        skip_special_tokens=req.skip_special_tokens,
-    )
 
 
 def _params_for_choice(base: SamplingParams, i: int) -> SamplingParams:
@@ -118,12 +93,12 @@ class OpenAIServing:
         get_tool_call_parser(self.tool_parser)  # an unknown name fails at start-up
         self.reasoning_cls = get_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
 
-    def grammar(self, req: P._SamplingFields) -> GrammarRequest | None:
+    def grammar(self, req: P.SamplingFields) -> GrammarRequest | None:
         return grammar_from_fields(req.model_dump(), self.args)
 
     # --- shared helpers ---------------------------------------------------------------------------
 
-    def _check_common(self, req: P._SamplingFields) -> None:
+    def _check_common(self, req: P.SamplingFields) -> None:
         if not 1 <= req.n <= self.max_n:
             raise InvalidRequestError(f"n must be between 1 and {self.max_n}, got {req.n}", "n")
         if req.stream_options is not None and not req.stream:
@@ -237,10 +212,7 @@ class OpenAIServing:
                 raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
         elif req.top_logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_from_request(req, max_tokens)
-        params.validate(self.tm.vocab_size)
-        return params, top
+        return openai_sampling_params(req, self.tm.vocab_size), top
 
     async def chat(self, req: P.ChatCompletionRequest, is_disconnected) -> P.ChatCompletionResponse:
         setup = self._chat_setup(req)
@@ -343,9 +315,7 @@ class OpenAIServing:
             raise InvalidRequestError("echo is not supported", "echo")
         if req.suffix:
             raise InvalidRequestError("suffix is not supported", "suffix")
-        params = sampling_from_request(req, 16 if req.max_tokens is None else req.max_tokens)
-        params.validate(self.tm.vocab_size)
-        return params
+        return openai_sampling_params(req, self.tm.vocab_size)
 
     def _completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> P.CompletionLogprobs:
         out = P.CompletionLogprobs()
