@@ -13,6 +13,7 @@ from gramserve.server import protocol as P
 from gramserve.server.error_handlers import error_response, register_error_handlers
 from gramserve.server.errors import InvalidRequestError, ModelNotServedError
 from gramserve.server.openai_serving import OpenAIServing, prefetch_first
+from gramserve.server.request_checks import check_native_prompt, check_prompt
 from gramserve.server.sampling_request import native_sampling_params
 from gramserve.server.structured_outputs import grammar_from_fields
 from gramserve.server.tokenizer_manager import TokenizerManager
@@ -97,14 +98,13 @@ def create_app(args: ServerArgs, tm: TokenizerManager, runner_info: dict) -> Fas
     @app.post("/generate")
     async def generate(request: Request):
         req = await parse(request, P.GenerateRequest)
-        if (req.text is None) == (req.input_ids is None):
-            raise InvalidRequestError("give exactly one of text or input_ids", "text")
+        check_native_prompt(req)
         input_ids = req.input_ids if req.input_ids is not None else tm.encode(req.text)
         sampling = dict(req.sampling_params)
         grammar_fields = {k: sampling.pop(k) for k in list(sampling) if k in _NATIVE_GRAMMAR_KEYS}
         grammar = grammar_from_fields(grammar_fields, args)
         params = native_sampling_params(sampling, tm.vocab_size)
-        tm.check_lengths(input_ids, params)
+        check_prompt(input_ids, params.max_new_tokens, tm.vocab_size, tm.context_length)
         gen = await prefetch_first(tm.generate(
             input_ids, params, rid=req.rid, return_logprob=req.return_logprob, top_logprobs=req.top_logprobs_num,
             grammar=grammar, priority=req.priority, is_disconnected=request.is_disconnected))
