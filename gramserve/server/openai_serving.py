@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
@@ -22,6 +21,7 @@ from gramserve.server.request_checks import (
     chat_top_logprobs, check_chat_messages, check_completion_options, check_openai_options, check_prompt,
 )
 from gramserve.server.sampling_request import openai_sampling_params
+from gramserve.server.streaming import SSE_DONE, prefetch_first, sse
 from gramserve.server.structured_outputs import checked_backend, grammar_from_fields
 from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 from gramserve.server.tool_requests import ToolPlan, plan_tools, render_messages, template_supports_tools, tool_grammar
@@ -37,31 +37,6 @@ def _params_for_choice(base: SamplingParams, i: int) -> SamplingParams:
     if base.seed is None or i == 0:
         return base
     return replace(base, seed=base.seed + i)
-
-
-async def prefetch_first(gen: AsyncIterator) -> AsyncIterator:
-    """Wait for the first item before the HTTP response starts, so that errors found by the engine
-    (e.g. a grammar that does not compile) still become a 400 instead of an error inside a 200 stream."""
-    try:
-        first = await gen.__anext__()
-    except StopAsyncIteration:
-        first = None
-
-    async def rest():
-        try:
-            if first is not None:
-                yield first
-            async for item in gen:
-                yield item
-        finally:
-            await gen.aclose()
-
-    return rest()
-
-
-def sse(data: Any) -> str:
-    body = data.model_dump_json(exclude_none=False) if hasattr(data, "model_dump_json") else json.dumps(data)
-    return f"data: {body}\n\n"
 
 
 @dataclass
@@ -280,7 +255,7 @@ class OpenAIServing:
                 yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param}})
             finally:
                 await merged.aclose()
-            yield "data: [DONE]\n\n"
+            yield SSE_DONE
 
         return stream()
 
@@ -386,6 +361,6 @@ class OpenAIServing:
                 yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param}})
             finally:
                 await merged.aclose()
-            yield "data: [DONE]\n\n"
+            yield SSE_DONE
 
         return stream()
