@@ -27,12 +27,6 @@ from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 from gramserve.server.tool_requests import ToolPlan, plan_tools, render_messages, template_supports_tools, tool_grammar
 
 
-def _finish_reason(out: GenerateOutput) -> str | None:
-    if out.finished is None:
-        return None
-    return {"stop": "stop", "length": "length", "abort": "abort"}.get(out.finished.type, out.finished.type)
-
-
 def _params_for_choice(base: SamplingParams, i: int) -> SamplingParams:
     if base.seed is None or i == 0:
         return base
@@ -203,8 +197,8 @@ class OpenAIServing:
                 index=i, message=P.ChatResponseMessage(content=parsed.content, tool_calls=parsed.tool_calls,
                                                        reasoning_content=parsed.reasoning_content),
                 logprobs=P.ChatLogprobs(content=self._chat_logprobs(lps[i])) if top is not None else None,
-                finish_reason=finish_reason(_finish_reason(out), setup.tools, bool(parsed.tool_calls)),
-                matched_stop=out.finished.matched if out.finished else None,
+                finish_reason=finish_reason(out.finish_reason, setup.tools, bool(parsed.tool_calls)),
+                matched_stop=out.matched_stop,
             ))
         completion = sum(o.completion_tokens for o in finals)
         usage = self._usage(finals[0].prompt_tokens, completion, finals[0].cached_tokens)
@@ -244,8 +238,8 @@ class OpenAIServing:
                         index=i, delta=fields.message(),
                         logprobs=P.ChatLogprobs(content=self._chat_logprobs(out.logprobs or []))
                         if top is not None else None,
-                        finish_reason=finish_reason(_finish_reason(out), setup.tools, cs.calls_made > 0),
-                        matched_stop=out.finished.matched if out.finished else None)
+                        finish_reason=finish_reason(out.finish_reason, setup.tools, cs.calls_made > 0),
+                        matched_stop=out.matched_stop)
                     usage = self._usage(prompt, totals[i], cached) if continuous else None
                     yield sse(P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[choice], usage=usage))
                 if include_usage:
@@ -324,8 +318,7 @@ class OpenAIServing:
                 choices.append(P.CompletionChoice(
                     index=pi * req.n + i, text=texts[i],
                     logprobs=self._completion_logprobs(lps[i], 0) if req.logprobs is not None else None,
-                    finish_reason=_finish_reason(finals[i]),
-                    matched_stop=finals[i].finished.matched if finals[i].finished else None))
+                    finish_reason=finals[i].finish_reason, matched_stop=finals[i].matched_stop))
         return P.CompletionResponse(id=rid, model=self.model_name, choices=choices,
                                     usage=self._usage(prompt_total, completion_total, cached_total),
                                     grammar_backend=results[0][2][0].grammar_backend)
@@ -352,8 +345,8 @@ class OpenAIServing:
                         lp = self._completion_logprobs(out.logprobs or [], offsets[i])
                     offsets[i] += len(out.text)
                     yield sse(P.CompletionResponse(id=rid, model=self.model_name, choices=[P.CompletionChoice(
-                        index=i, text=out.text, logprobs=lp, finish_reason=_finish_reason(out),
-                        matched_stop=out.finished.matched if out.finished else None)]))
+                        index=i, text=out.text, logprobs=lp, finish_reason=out.finish_reason,
+                        matched_stop=out.matched_stop)]))
                 if include_usage:
                     yield sse(P.CompletionResponse(id=rid, model=self.model_name, choices=[],
                                                    usage=self._usage(prompt, sum(totals), cached)))

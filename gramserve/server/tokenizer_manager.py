@@ -44,6 +44,14 @@ class GenerateOutput:
     logprobs: list[TokenLogprob] | None
     grammar_backend: str | None = None
 
+    @property
+    def finish_reason(self) -> str | None:
+        return self.finished.type if self.finished is not None else None
+
+    @property
+    def matched_stop(self) -> int | str | None:
+        return self.finished.matched if self.finished is not None else None
+
 
 @dataclass
 class _ReqState:
