@@ -211,6 +211,71 @@ def test_wrong_types_and_bad_json_are_400(base_url, model_name):
     assert r.status_code == 200  # unknown fields are ignored, like OpenAI-compatible servers do
 
 
+@pytest.mark.parametrize("path,body,param,fragment", [
+    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options",
+     "only allowed when stream is true"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+    ("/v1/chat/completions", {"messages": []}, "messages", "must not be empty"),
+    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 5, "max_completion_tokens": 0}, "max_tokens",
+     "at least 1"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 6}, "logprobs", "[0, 5]"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "not supported"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix", "not supported"),
+    ("/v1/completions", {"prompt": ["One,", "Two,"], "stream": True}, "prompt", "single prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt", "empty"),
+    ("/v1/completions", {"prompt": ["One,", "hello " * 9000]}, "messages", "context length"),  # any prompt fails all
+    ("/generate", {"text": "hi", "input_ids": [504]}, "text", "exactly one"),
+    ("/generate", {"sampling_params": {"max_new_tokens": 2}}, "text", "exactly one"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "temperature", "non-negative"),
+    ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"abc": 1}}}, "logit_bias", "token ids"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 100000}}, "max_tokens", "context length"),
+    ("/generate", {"input_ids": [10**9]}, "prompt", "vocabulary"),
+])
+def test_request_rules_are_400(base_url, model_name, path, body, param, fragment):
+    r = httpx.post(base_url + path, json={"model": model_name, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and fragment in err["message"], err
+
+
+def test_max_completion_tokens_wins_over_max_tokens(client, model_name):
+    resp = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=10, max_completion_tokens=3,
+                                          extra_body={"ignore_eos": True})
+    assert resp.usage.completion_tokens == 3
+
+
+def test_native_and_openai_sample_alike(client, model_name, base_url):
+    """/generate and /v1/completions build their sampling params the same way (SGLang's names on /generate)."""
+    native = httpx.post(base_url + "/generate", timeout=60, json={"text": "Once upon a time", "sampling_params": {
+        "max_new_tokens": 12, "min_new_tokens": 2, "temperature": 0.9, "top_k": 0, "sampling_seed": 21, "stop": "."}})
+    assert native.status_code == 200, native.text
+    resp = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=12, temperature=0.9,
+                                     seed=21, stop=".", extra_body={"top_k": 0, "min_tokens": 2})
+    assert native.json()["text"] == resp.choices[0].text
+
+
+def test_native_duplicate_rid_and_abort_request(base_url):
+    rid = "test-native-rid"
+    body = {"text": "Count:", "rid": rid, "stream": True,
+            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    with httpx.stream("POST", base_url + "/generate", json=body, timeout=120) as s:
+        lines = s.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        dup = httpx.post(base_url + "/generate", json={**body, "stream": False}, timeout=60)
+        assert dup.status_code == 400 and dup.json()["error"]["param"] == "rid", dup.text
+        r = httpx.post(base_url + "/abort_request", json={"rid": rid}, timeout=10)
+        assert r.status_code == 200 and r.json() == {"rid": rid, "aborted": True}
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert events[-1]["meta_info"]["completion_tokens"] < 3000
+    r = httpx.post(base_url + "/abort_request", json={"rid": rid}, timeout=10)
+    assert r.status_code == 404 and r.json()["aborted"] is False
+    r = httpx.post(base_url + "/abort_request", json={}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
+    assert wait_pool_whole(base_url)["used_slots"] == 0
+
+
 def test_context_length_error(client, model_name):
     long_prompt = "hello " * 9000
     with pytest.raises(openai.BadRequestError) as err:

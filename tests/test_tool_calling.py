@@ -204,6 +204,7 @@ def test_history_with_tool_results(client, model_name):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, None),
+    ({"tools": TOOLS, "grammar_backend": "nope"}, "grammar_backend"),
 ])
 def test_bad_tool_requests_get_400(base_url, model_name, body, param):
     r = httpx.post(base_url + "/v1/chat/completions", timeout=60,

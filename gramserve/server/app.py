@@ -1,248 +1,29 @@
-"""The FastAPI app: routes, OpenAI-style error responses, and SGLang's native /generate."""
+"""The FastAPI app: the OpenAI, native and admin routers, the error handlers, and the TokenizerManager's start."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import logging
-from typing import Any
+import contextlib
+from collections.abc import AsyncIterator
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
 
 from gramserve.config import ServerArgs
-from gramserve.sampling.params import SamplingParams, SamplingParamsError
-from gramserve.server import protocol as P
-from gramserve.server.openai_serving import OpenAIServing, prefetch_first
-from gramserve.server.structured_outputs import grammar_from_fields
-from gramserve.server.tokenizer_manager import (
-    ClientDisconnectedError, EngineError, InvalidRequestError, ServerBusyError, TokenizerManager,
-)
-
-logger = logging.getLogger(__name__)
-
-
-def error_response(status: int, message: str, err_type: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> JSONResponse:
-    body = P.ErrorResponse(error=P.ErrorDetail(message=message, type=err_type, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
-
-
-class ModelNotServedError(Exception):
-    pass
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts, param = [], None
-    for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        if param is None and loc:
-            param = loc[0]
-        parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
-    return "; ".join(parts) or "invalid request", param
-
-
-_NATIVE_SAMPLING_KEYS = {f.name for f in dataclasses.fields(SamplingParams)} | {"sampling_seed"}
-_NATIVE_GRAMMAR_KEYS = {"json_schema", "regex", "ebnf", "structural_tag", "choice", "grammar_backend",
-                        "response_format", "structured_outputs"}
-
-
-def native_sampling_params(d: dict[str, Any]) -> SamplingParams:
-    unknown = set(d) - _NATIVE_SAMPLING_KEYS
-    if unknown:
-        raise InvalidRequestError(f"unknown sampling_params: {sorted(unknown)}", "sampling_params")
-    d = dict(d)
-    if "sampling_seed" in d:
-        d["seed"] = d.pop("sampling_seed")
-    stop = d.get("stop")
-    d["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    d["stop_token_ids"] = tuple(d.get("stop_token_ids") or ())
-    if "logit_bias" in d:
-        d["logit_bias"] = {int(k): float(v) for k, v in (d["logit_bias"] or {}).items()}
-    if d.get("top_k") == 0:
-        d["top_k"] = -1
-    try:
-        return SamplingParams(**d)
-    except TypeError as exc:
-        raise InvalidRequestError(f"bad sampling_params: {exc}", "sampling_params") from exc
+from gramserve.server.admin_api import admin_router
+from gramserve.server.error_handlers import register_error_handlers
+from gramserve.server.native_api import native_router
+from gramserve.server.openai_api import openai_router
+from gramserve.server.tokenizer_manager import TokenizerManager
 
 
 def create_app(args: ServerArgs, tm: TokenizerManager, runner_info: dict) -> FastAPI:
-    app = FastAPI(title="gramserve", version="0.1.0")
-    serving = OpenAIServing(tm, args)
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        tm.start()  # the receive loop needs the server's event loop
+        yield
 
-    @app.on_event("startup")
-    async def _start() -> None:
-        tm.start()
-
-    # --- errors ---------------------------------------------------------------------------------
-
-    @app.exception_handler(RequestValidationError)
-    async def _on_validation(_: Request, exc: RequestValidationError):
-        msg, param = _validation_message(exc)
-        return error_response(400, msg, param=param)
-
-    @app.exception_handler(InvalidRequestError)
-    async def _on_invalid(_: Request, exc: InvalidRequestError):
-        return error_response(400, str(exc), param=exc.param)
-
-    @app.exception_handler(SamplingParamsError)
-    async def _on_sampling(_: Request, exc: SamplingParamsError):
-        return error_response(400, str(exc), param=exc.param)
-
-    @app.exception_handler(ModelNotServedError)
-    async def _on_model(_: Request, exc: ModelNotServedError):
-        return error_response(404, str(exc), param="model", code="model_not_found")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _on_http(_: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail),
-                              err_type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
-
-    @app.exception_handler(ClientDisconnectedError)
-    async def _on_disconnect(_: Request, exc: ClientDisconnectedError):
-        return error_response(499, "client closed the request", err_type="client_closed_request")
-
-    @app.exception_handler(ServerBusyError)
-    async def _on_busy(_: Request, exc: ServerBusyError):
-        resp = error_response(503, str(exc), err_type="server_busy")
-        resp.headers["Retry-After"] = "1"
-        return resp
-
-    @app.exception_handler(EngineError)
-    async def _on_engine(_: Request, exc: EngineError):
-        return error_response(500, str(exc), err_type="internal_error")
-
-    @app.exception_handler(Exception)
-    async def _on_internal(_: Request, exc: Exception):
-        logger.exception("internal error")
-        return error_response(500, f"internal server error: {type(exc).__name__}", err_type="internal_error")
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in (args.model_name, "default"):
-            raise ModelNotServedError(f"The model `{name}` does not exist. This server serves `{args.model_name}`.")
-
-    async def parse(request: Request, model_cls):
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise InvalidRequestError("the request body is not valid JSON")
-        if not isinstance(body, dict):
-            raise InvalidRequestError("the request body must be a JSON object")
-        from pydantic import ValidationError
-
-        try:
-            return model_cls.model_validate(body)
-        except ValidationError as exc:
-            raise RequestValidationError(exc.errors()) from exc
-
-    # --- OpenAI ---------------------------------------------------------------------------------
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        req = await parse(request, P.ChatCompletionRequest)
-        check_model(req.model)
-        if req.stream:
-            stream = await serving.chat_stream(req, request.is_disconnected)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        return JSONResponse((await serving.chat(req, request.is_disconnected)).model_dump())
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        req = await parse(request, P.CompletionRequest)
-        check_model(req.model)
-        if req.stream:
-            stream = await serving.completions_stream(req, request.is_disconnected)
-            return StreamingResponse(stream, media_type="text/event-stream")
-        return JSONResponse((await serving.completions(req, request.is_disconnected)).model_dump())
-
-    @app.get("/v1/models")
-    async def models():
-        card = P.ModelCard(id=args.model_name, root=runner_info.get("model_path"),
-                           max_model_len=runner_info.get("context_length"))
-        return JSONResponse(P.ModelList(data=[card]).model_dump())
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        check_model(model_id)
-        card = P.ModelCard(id=args.model_name, root=runner_info.get("model_path"),
-                           max_model_len=runner_info.get("context_length"))
-        return JSONResponse(card.model_dump())
-
-    # --- native ---------------------------------------------------------------------------------
-
-    @app.get("/health")
-    async def health():
-        return Response(status_code=200)
-
-    @app.get("/get_server_info")
-    async def server_info():
-        info = await tm.control("server_info")
-        return JSONResponse({"server_args": args.to_dict(), "model_name": args.model_name, **info})
-
-    @app.post("/generate")
-    async def generate(request: Request):
-        req = await parse(request, P.GenerateRequest)
-        if (req.text is None) == (req.input_ids is None):
-            raise InvalidRequestError("give exactly one of text or input_ids", "text")
-        input_ids = req.input_ids if req.input_ids is not None else tm.encode(req.text)
-        sampling = dict(req.sampling_params)
-        grammar_fields = {k: sampling.pop(k) for k in list(sampling) if k in _NATIVE_GRAMMAR_KEYS}
-        grammar = grammar_from_fields(grammar_fields, args)
-        params = native_sampling_params(sampling)
-        params.validate(tm.vocab_size)
-        tm.check_lengths(input_ids, params)
-        gen = await prefetch_first(tm.generate(
-            input_ids, params, rid=req.rid, return_logprob=req.return_logprob, top_logprobs=req.top_logprobs_num,
-            grammar=grammar, priority=req.priority, is_disconnected=request.is_disconnected))
-
-        def payload(text: str, ids: list[int], out, lps: list) -> dict:
-            meta = {"id": req.rid, "finish_reason": out.finished.to_json() if out.finished else None,
-                    "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                    "cached_tokens": out.cached_tokens, "grammar_backend": out.grammar_backend}
-            if req.return_logprob:
-                meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in lps]
-                meta["output_top_logprobs"] = [[[v, i] for i, v in lp.top] for lp in lps]
-            return {"text": text, "output_ids": ids, "meta_info": meta}
-
-        if req.stream:
-            async def stream():
-                text, ids, lps = "", [], []
-                try:
-                    async for out in gen:
-                        text += out.text
-                        ids += out.token_ids
-                        lps += out.logprobs or []
-                        yield f"data: {json.dumps(payload(text, ids, out, lps))}\n\n"
-                finally:
-                    await gen.aclose()
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(stream(), media_type="text/event-stream")
-        text, ids, lps, last = "", [], [], None
-        async for out in gen:
-            text += out.text
-            ids += out.token_ids
-            lps += out.logprobs or []
-            last = out
-        return JSONResponse(payload(text, ids, last, lps))
-
-    @app.post("/flush_cache")
-    async def flush_cache():
-        result = await tm.control("flush_cache")
-        if not result.get("ok"):
-            return error_response(400, result.get("error", "cannot flush the cache"))
-        return JSONResponse({"ok": True, "message": "prefix cache flushed"})
-
-    @app.post("/abort_request")
-    async def abort_request(request: Request):
-        body = await request.json()
-        rid = body.get("rid") if isinstance(body, dict) else None
-        if not rid:
-            raise InvalidRequestError("rid is required", "rid")
-        found = await tm.abort(rid)
-        return JSONResponse({"rid": rid, "aborted": found}, status_code=200 if found else 404)
-
+    app = FastAPI(title="gramserve", version="0.1.0", lifespan=lifespan)
+    register_error_handlers(app)
+    app.include_router(openai_router(args, tm, runner_info))
+    app.include_router(native_router(args, tm))
+    app.include_router(admin_router(args, tm))
     return app

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
@@ -17,74 +16,21 @@ from gramserve.parsers.tool_calls import detect_tool_call_parser, get_tool_call_
 from gramserve.sampling.params import SamplingParams
 from gramserve.server import protocol as P
 from gramserve.server.chat_output import ChoiceStream, DeltaFields, final_output, finish_reason
-from gramserve.server.structured_outputs import BACKENDS, grammar_from_fields
-from gramserve.server.tokenizer_manager import GenerateOutput, InvalidRequestError, TokenizerManager
+from gramserve.server.errors import InvalidRequestError
+from gramserve.server.request_checks import (
+    chat_top_logprobs, check_chat_messages, check_completion_options, check_openai_options, check_prompt,
+)
+from gramserve.server.sampling_request import openai_sampling_params
+from gramserve.server.streaming import SSE_DONE, prefetch_first, sse
+from gramserve.server.structured_outputs import checked_backend, grammar_from_fields
+from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 from gramserve.server.tool_requests import ToolPlan, plan_tools, render_messages, template_supports_tools, tool_grammar
-
-MAX_TOP_LOGPROBS = 20
-
-
-def _finish_reason(out: GenerateOutput) -> str | None:
-    if out.finished is None:
-        return None
-    return {"stop": "stop", "length": "length", "abort": "abort"}.get(out.finished.type, out.finished.type)
-
-
-def sampling_from_request(req: P._SamplingFields, max_tokens: int | None) -> SamplingParams:
-    stop = req.stop
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    try:
-        bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
-    except ValueError as exc:
-        raise InvalidRequestError("logit_bias keys must be token ids", "logit_bias") from exc
-    return SamplingParams(
-        max_new_tokens=max_tokens,
-        min_new_tokens=req.min_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=-1 if req.top_k in (None, 0) else req.top_k,
-        min_p=req.min_p or 0.0,
-        frequency_penalty=req.frequency_penalty,
-        presence_penalty=req.presence_penalty,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        seed=req.seed,
-        logit_bias=bias,
-        stop=stops,
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=req.ignore_eos,
-        skip_special_tokens=req.skip_special_tokens,
-    )
 
 
 def _params_for_choice(base: SamplingParams, i: int) -> SamplingParams:
     if base.seed is None or i == 0:
         return base
     return replace(base, seed=base.seed + i)
-
-
-async def prefetch_first(gen: AsyncIterator) -> AsyncIterator:
-    """Wait for the first item before the HTTP response starts, so that errors found by the engine
-    (e.g. a grammar that does not compile) still become a 400 instead of an error inside a 200 stream."""
-    try:
-        first = await gen.__anext__()
-    except StopAsyncIteration:
-        first = None
-
-    async def rest():
-        try:
-            if first is not None:
-                yield first
-            async for item in gen:
-                yield item
-        finally:
-            await gen.aclose()
-
-    return rest()
-
-
-def sse(data: Any) -> str:
-    body = data.model_dump_json(exclude_none=False) if hasattr(data, "model_dump_json") else json.dumps(data)
-    return f"data: {body}\n\n"
 
 
 @dataclass
@@ -103,6 +49,15 @@ class ChatSetup:
         return self.reasoning_cls(self.template_kwargs) if self.reasoning_cls is not None else None
 
 
+@dataclass
+class CompletionSetup:
+    """Everything a completions request turns into before it runs: one token prompt per choice group."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    grammar: GrammarRequest | None
+
+
 class OpenAIServing:
     def __init__(self, tm: TokenizerManager, args: ServerArgs):
         self.tm = tm
@@ -117,24 +72,19 @@ class OpenAIServing:
         get_tool_call_parser(self.tool_parser)  # an unknown name fails at start-up
         self.reasoning_cls = get_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
 
-    def grammar(self, req: P._SamplingFields) -> GrammarRequest | None:
+    def grammar(self, req: P.SamplingFields) -> GrammarRequest | None:
         return grammar_from_fields(req.model_dump(), self.args)
 
     # --- shared helpers ---------------------------------------------------------------------------
 
-    def _check_common(self, req: P._SamplingFields) -> None:
-        if not 1 <= req.n <= self.max_n:
-            raise InvalidRequestError(f"n must be between 1 and {self.max_n}, got {req.n}", "n")
-        if req.stream_options is not None and not req.stream:
-            raise InvalidRequestError("stream_options is only allowed when stream is true", "stream_options")
+    def _check_prompt(self, input_ids: list[int], params: SamplingParams) -> None:
+        check_prompt(input_ids, params.max_new_tokens, self.tm.vocab_size, self.tm.context_length)
 
     async def _merged(self, input_ids: list[int], params: SamplingParams, n: int, rid: str,
                       logprobs: int | None, is_disconnected, grammar: GrammarRequest | None = None,
                       priority: int = 0) -> AsyncIterator[tuple[int, GenerateOutput]]:
-        """Run n engine requests and yield (choice index, output) as they arrive."""
-        for i in range(n):  # validate before anything is sent, so errors are clean 400s
-            _params_for_choice(params, i).validate(self.tm.vocab_size)
-        self.tm.check_lengths(input_ids, params)
+        """Run n engine requests (prompt and params already checked) and yield (choice index, output) as they
+        arrive."""
         gens = [
             self.tm.generate(input_ids, _params_for_choice(params, i), rid=f"{rid}-{i}",
                              return_logprob=logprobs is not None, top_logprobs=logprobs or 0,
@@ -195,14 +145,14 @@ class OpenAIServing:
     # --- chat ---------------------------------------------------------------------------------
 
     def _chat_setup(self, req: P.ChatCompletionRequest) -> ChatSetup:
-        params, top = self._chat_params(req)
+        check_openai_options(req, self.max_n)
+        top = chat_top_logprobs(req)
+        params = openai_sampling_params(req, self.tm.vocab_size)
         grammar = self.grammar(req)
         plan = plan_tools(req, self.tool_parser, self.args)
         if plan is not None and plan.parses_calls:
             if grammar is None:
-                backend = req.grammar_backend or self.args.grammar_backend
-                if backend not in BACKENDS:
-                    raise InvalidRequestError(f"grammar_backend must be one of {list(BACKENDS)}", "grammar_backend")
+                backend = checked_backend(req.grammar_backend or self.args.grammar_backend)
                 grammar = tool_grammar(plan, self.args, backend)
             elif plan.mode in ("required", "named"):
                 raise InvalidRequestError("tool_choice required or a named function cannot be combined with "
@@ -212,8 +162,7 @@ class OpenAIServing:
         if grammar is not None and self.reasoning_cls is not None and self.reasoning_cls(kwargs).thinking:
             # The model thinks first: the constraint applies from the end of its reasoning on.
             grammar = replace(grammar, start_after=self.reasoning_cls.end_marker)
-        if not req.messages:
-            raise InvalidRequestError("messages must not be empty", "messages")
+        check_chat_messages(req)
         messages, tools = render_messages(req.messages, plan, self.native_tools,
                                           get_tool_call_parser(self.tool_parser))
         if tools is not None:
@@ -224,22 +173,9 @@ class OpenAIServing:
             # Call markers are special tokens in some tokenizers ([TOOL_CALLS], DeepSeek's, Kimi's): keep
             # them in the text the parser reads (the EOS that ends the answer is dropped anyway).
             params = replace(params, skip_special_tokens=False)
+        self._check_prompt(input_ids, params)
         reasoning_cls = self.reasoning_cls if req.separate_reasoning else None
         return ChatSetup(input_ids, params, top, grammar, plan, reasoning_cls, dict(req.chat_template_kwargs or {}))
-
-    def _chat_params(self, req: P.ChatCompletionRequest) -> tuple[SamplingParams, int | None]:
-        self._check_common(req)
-        top = None
-        if req.logprobs:
-            top = req.top_logprobs or 0
-            if not 0 <= top <= MAX_TOP_LOGPROBS:
-                raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
-        elif req.top_logprobs:
-            raise InvalidRequestError("top_logprobs requires logprobs to be true", "top_logprobs")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = sampling_from_request(req, max_tokens)
-        params.validate(self.tm.vocab_size)
-        return params, top
 
     async def chat(self, req: P.ChatCompletionRequest, is_disconnected) -> P.ChatCompletionResponse:
         setup = self._chat_setup(req)
@@ -261,8 +197,8 @@ class OpenAIServing:
                 index=i, message=P.ChatResponseMessage(content=parsed.content, tool_calls=parsed.tool_calls,
                                                        reasoning_content=parsed.reasoning_content),
                 logprobs=P.ChatLogprobs(content=self._chat_logprobs(lps[i])) if top is not None else None,
-                finish_reason=finish_reason(_finish_reason(out), setup.tools, bool(parsed.tool_calls)),
-                matched_stop=out.finished.matched if out.finished else None,
+                finish_reason=finish_reason(out.finish_reason, setup.tools, bool(parsed.tool_calls)),
+                matched_stop=out.matched_stop,
             ))
         completion = sum(o.completion_tokens for o in finals)
         usage = self._usage(finals[0].prompt_tokens, completion, finals[0].cached_tokens)
@@ -273,7 +209,6 @@ class OpenAIServing:
         """Validates eagerly (errors raise before the first byte), then returns the SSE stream."""
         setup = self._chat_setup(req)
         top = setup.top_logprobs
-        self.tm.check_lengths(setup.input_ids, setup.params)
         rid = P.random_id("chatcmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
@@ -303,8 +238,8 @@ class OpenAIServing:
                         index=i, delta=fields.message(),
                         logprobs=P.ChatLogprobs(content=self._chat_logprobs(out.logprobs or []))
                         if top is not None else None,
-                        finish_reason=finish_reason(_finish_reason(out), setup.tools, cs.calls_made > 0),
-                        matched_stop=out.finished.matched if out.finished else None)
+                        finish_reason=finish_reason(out.finish_reason, setup.tools, cs.calls_made > 0),
+                        matched_stop=out.matched_stop)
                     usage = self._usage(prompt, totals[i], cached) if continuous else None
                     yield sse(P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[choice], usage=usage))
                 if include_usage:
@@ -314,7 +249,7 @@ class OpenAIServing:
                 yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param}})
             finally:
                 await merged.aclose()
-            yield "data: [DONE]\n\n"
+            yield SSE_DONE
 
         return stream()
 
@@ -334,17 +269,17 @@ class OpenAIServing:
             return [list(x) for x in p]
         raise InvalidRequestError("prompt must be a string, a list of strings, or token ids", "prompt")
 
-    def _completion_params(self, req: P.CompletionRequest) -> SamplingParams:
-        self._check_common(req)
-        if req.logprobs is not None and not 0 <= req.logprobs <= 5:
-            raise InvalidRequestError("logprobs must be in [0, 5] for completions", "logprobs")
-        if req.echo:
-            raise InvalidRequestError("echo is not supported", "echo")
-        if req.suffix:
-            raise InvalidRequestError("suffix is not supported", "suffix")
-        params = sampling_from_request(req, 16 if req.max_tokens is None else req.max_tokens)
-        params.validate(self.tm.vocab_size)
-        return params
+    def _completion_setup(self, req: P.CompletionRequest) -> CompletionSetup:
+        check_openai_options(req, self.max_n)
+        check_completion_options(req)
+        params = openai_sampling_params(req, self.tm.vocab_size)
+        grammar = self.grammar(req)
+        prompts = self._completion_prompts(req)
+        if req.stream and len(prompts) != 1:
+            raise InvalidRequestError("streaming supports a single prompt", "prompt")
+        for ids in prompts:  # every prompt before any is sent
+            self._check_prompt(ids, params)
+        return CompletionSetup(prompts, params, grammar)
 
     def _completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> P.CompletionLogprobs:
         out = P.CompletionLogprobs()
@@ -358,26 +293,23 @@ class OpenAIServing:
         return out
 
     async def completions(self, req: P.CompletionRequest, is_disconnected) -> P.CompletionResponse:
-        params = self._completion_params(req)
-        grammar = self.grammar(req)
-        prompts = self._completion_prompts(req)
+        setup = self._completion_setup(req)
         rid = P.random_id("cmpl")
         choices, prompt_total, completion_total, cached_total = [], 0, 0, 0
-        for pi, ids in enumerate(prompts):  # several prompts run concurrently; choices ordered by prompt
-            self.tm.check_lengths(ids, params)
 
         async def one(pi: int, ids: list[int]):
             texts = [""] * req.n
             lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
             finals: list[GenerateOutput | None] = [None] * req.n
-            async for i, out in self._merged(ids, params, req.n, f"{rid}-{pi}", req.logprobs, is_disconnected,
-                                             grammar, req.priority):
+            async for i, out in self._merged(ids, setup.params, req.n, f"{rid}-{pi}", req.logprobs,
+                                             is_disconnected, setup.grammar, req.priority):
                 texts[i] += out.text
                 lps[i] += out.logprobs or []
                 finals[i] = out
             return texts, lps, finals
 
-        results = await asyncio.gather(*(one(pi, ids) for pi, ids in enumerate(prompts)))
+        # several prompts run concurrently; choices ordered by prompt
+        results = await asyncio.gather(*(one(pi, ids) for pi, ids in enumerate(setup.prompts)))
         for pi, (texts, lps, finals) in enumerate(results):
             prompt_total += finals[0].prompt_tokens
             cached_total += finals[0].cached_tokens
@@ -386,24 +318,18 @@ class OpenAIServing:
                 choices.append(P.CompletionChoice(
                     index=pi * req.n + i, text=texts[i],
                     logprobs=self._completion_logprobs(lps[i], 0) if req.logprobs is not None else None,
-                    finish_reason=_finish_reason(finals[i]),
-                    matched_stop=finals[i].finished.matched if finals[i].finished else None))
+                    finish_reason=finals[i].finish_reason, matched_stop=finals[i].matched_stop))
         return P.CompletionResponse(id=rid, model=self.model_name, choices=choices,
                                     usage=self._usage(prompt_total, completion_total, cached_total),
                                     grammar_backend=results[0][2][0].grammar_backend)
 
     async def completions_stream(self, req: P.CompletionRequest, is_disconnected) -> AsyncIterator[str]:
-        params = self._completion_params(req)
-        grammar = self.grammar(req)
-        prompts = self._completion_prompts(req)
-        if len(prompts) != 1:
-            raise InvalidRequestError("streaming supports a single prompt", "prompt")
-        ids = prompts[0]
-        self.tm.check_lengths(ids, params)
+        """Validates eagerly (errors raise before the first byte), then returns the SSE stream."""
+        setup = self._completion_setup(req)
         rid = P.random_id("cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        merged = await prefetch_first(self._merged(ids, params, req.n, rid, req.logprobs, is_disconnected, grammar,
-                                      req.priority))
+        merged = await prefetch_first(self._merged(setup.prompts[0], setup.params, req.n, rid, req.logprobs,
+                                                   is_disconnected, setup.grammar, req.priority))
 
         async def stream() -> AsyncIterator[str]:
             totals = [0] * req.n
@@ -419,8 +345,8 @@ class OpenAIServing:
                         lp = self._completion_logprobs(out.logprobs or [], offsets[i])
                     offsets[i] += len(out.text)
                     yield sse(P.CompletionResponse(id=rid, model=self.model_name, choices=[P.CompletionChoice(
-                        index=i, text=out.text, logprobs=lp, finish_reason=_finish_reason(out),
-                        matched_stop=out.finished.matched if out.finished else None)]))
+                        index=i, text=out.text, logprobs=lp, finish_reason=out.finish_reason,
+                        matched_stop=out.matched_stop)]))
                 if include_usage:
                     yield sse(P.CompletionResponse(id=rid, model=self.model_name, choices=[],
                                                    usage=self._usage(prompt, sum(totals), cached)))
@@ -428,6 +354,6 @@ class OpenAIServing:
                 yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param}})
             finally:
                 await merged.aclose()
-            yield "data: [DONE]\n\n"
+            yield SSE_DONE
 
         return stream()

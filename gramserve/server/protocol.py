@@ -32,7 +32,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: Optional[bool] = False
 
 
-class _SamplingFields(BaseModel):
+class SamplingFields(BaseModel):
     """Fields shared by chat and completions: OpenAI's, then the usual vLLM / SGLang extensions."""
 
     # Unknown fields are accepted and ignored, as OpenAI-compatible servers do; known fields are type-checked.
@@ -129,7 +129,7 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
@@ -143,7 +143,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = None
     echo: bool = False

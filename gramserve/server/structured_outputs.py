@@ -15,9 +15,15 @@ from typing import Any
 
 from gramserve.config import ServerArgs
 from gramserve.messages import GrammarRequest
-from gramserve.server.tokenizer_manager import InvalidRequestError
+from gramserve.server.errors import InvalidRequestError
 
 BACKENDS = ("xgrammar", "llguidance", "outlines", "auto")
+
+
+def checked_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise InvalidRequestError(f"grammar_backend must be one of {list(BACKENDS)}", "grammar_backend")
+    return backend
 
 
 def _json_depth(value: Any, limit: int) -> int:
@@ -149,7 +155,5 @@ def grammar_from_fields(fields: dict[str, Any], args: ServerArgs) -> GrammarRequ
         raise InvalidRequestError(f"give at most one output constraint; got {names}", found[1][0])
     backend = fields.get("grammar_backend") or fields.get("guided_decoding_backend") or (
         so.get("backend") if isinstance(so, dict) else None) or args.grammar_backend
-    if backend not in BACKENDS:
-        raise InvalidRequestError(f"grammar_backend must be one of {list(BACKENDS)}", "grammar_backend")
     _, kind, text = found[0]
-    return GrammarRequest(kind=kind, text=text, backend=backend)
+    return GrammarRequest(kind=kind, text=text, backend=checked_backend(backend))

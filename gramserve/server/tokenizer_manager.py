@@ -1,8 +1,9 @@
 """TokenizerManager: the main process's bridge to the scheduler.
 
-It tokenizes, checks lengths, sends TokenizedGenerateReq to the scheduler and turns the detokenizer's
-BatchTextOut messages back into a per-request async stream. A request whose consumer goes away
-(client disconnect, cancelled task) is aborted so its KV slots come back at once.
+It tokenizes, sends TokenizedGenerateReq to the scheduler and turns the detokenizer's BatchTextOut messages
+back into a per-request async stream. A request whose consumer goes away (client disconnect, cancelled task)
+is aborted so its KV slots come back at once. It trusts the requests it is given: the routes check them first
+(sampling_request.py, request_checks.py).
 """
 
 from __future__ import annotations
@@ -23,30 +24,11 @@ from gramserve.messages import (
     TokenLogprob,
 )
 from gramserve.sampling.params import SamplingParams
+from gramserve.server.errors import ClientDisconnectedError, EngineError, InvalidRequestError, ServerBusyError
 
 logger = logging.getLogger(__name__)
 
 DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request checks that its client is still there
-
-
-class InvalidRequestError(ValueError):
-    """A request the client must fix; becomes a 400."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class ServerBusyError(Exception):
-    """The waiting queue is full; becomes a 503 with Retry-After."""
-
-
-class EngineError(Exception):
-    """The engine failed the request before producing anything; becomes a 500."""
-
-
-class ClientDisconnectedError(Exception):
-    """The HTTP client went away; the request was aborted."""
 
 
 @dataclass
@@ -61,6 +43,14 @@ class GenerateOutput:
     cached_tokens: int
     logprobs: list[TokenLogprob] | None
     grammar_backend: str | None = None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.finished.type if self.finished is not None else None
+
+    @property
+    def matched_stop(self) -> int | str | None:
+        return self.finished.matched if self.finished is not None else None
 
 
 @dataclass
@@ -107,30 +97,16 @@ class TokenizerManager:
 
     # --- generation -----------------------------------------------------------------------------
 
-    def check_lengths(self, input_ids: list[int], sampling: SamplingParams) -> None:
-        n = len(input_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if any(not (0 <= t < self.vocab_size) for t in input_ids):
-            raise InvalidRequestError("prompt token ids must be within the vocabulary", "prompt")
-        if n >= self.context_length:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.context_length} tokens. "
-                f"However, your prompt has {n} tokens.", "messages")
-        if sampling.max_new_tokens is not None and n + sampling.max_new_tokens > self.context_length:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.context_length} tokens. However, you requested "
-                f"{n + sampling.max_new_tokens} tokens ({n} in the prompt, {sampling.max_new_tokens} for the "
-                f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
-
     async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
                        return_logprob: bool = False, top_logprobs: int = 0,
                        grammar: GrammarRequest | None = None, priority: int = 0,
                        is_disconnected: Callable[[], Awaitable[bool]] | None = None
                        ) -> AsyncIterator[GenerateOutput]:
-        """Stream one request's outputs. Raises InvalidRequestError before anything is sent."""
-        sampling.validate(self.vocab_size)
-        self.check_lengths(input_ids, sampling)
+        """Stream one request's outputs.
+
+        Trusts `input_ids` and `sampling`: the routes check them once per request (sampling_request.py builds
+        validated params, request_checks.check_prompt checks the prompt) and nothing else calls this. The rid
+        is checked here, as only this class knows the live ones: a duplicate raises before anything is sent."""
         self.start()
         rid = rid or uuid.uuid4().hex
         if rid in self.states:

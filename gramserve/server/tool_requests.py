@@ -18,8 +18,8 @@ from gramserve.config import ServerArgs
 from gramserve.messages import GrammarRequest
 from gramserve.parsers.tool_calls import ToolCallParser, ToolFunction, get_tool_call_parser
 from gramserve.server import protocol as P
+from gramserve.server.errors import InvalidRequestError
 from gramserve.server.structured_outputs import _schema_text, _structural_tag_text
-from gramserve.server.tokenizer_manager import InvalidRequestError
 
 ToolMode = Literal["none", "auto", "required", "named"]
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}

@@ -1,0 +1,34 @@
+"""Server-sent events: the `data:` framing, and prefetch_first, which keeps errors before the first token
+plain HTTP errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(data: Any) -> str:
+    body = data.model_dump_json(exclude_none=False) if hasattr(data, "model_dump_json") else json.dumps(data)
+    return f"data: {body}\n\n"
+
+
+async def prefetch_first(gen: AsyncIterator) -> AsyncIterator:
+    """Wait for the first item before the HTTP response starts, so that errors found by the engine
+    (e.g. a grammar that does not compile) still become a 400 instead of an error inside a 200 stream."""
+    try:
+        first = await gen.__anext__()
+    except StopAsyncIteration:
+        first = None
+
+    async def rest():
+        try:
+            if first is not None:
+                yield first
+            async for item in gen:
+                yield item
+        finally:
+            await gen.aclose()
+
+    return rest()
