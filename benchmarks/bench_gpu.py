@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gramserve.config import ServerArgs  # noqa: E402
+from gramserve.config import LaunchInfo, ServerArgs, ServerConfig  # noqa: E402
 from gramserve.messages import GrammarRequest, TokenizedGenerateReq  # noqa: E402
 from gramserve.sampling.params import SamplingParams  # noqa: E402
 
@@ -116,33 +116,33 @@ class Engine:
                  busy_poll: bool = True, **overrides):
         from transformers import AutoTokenizer
 
-        from gramserve.scheduler.process import default_num_threads
         from gramserve.scheduler.scheduler import Scheduler
+        from gramserve.server.settings import resolve_settings
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         cfg = json.load(open(model_json))
-        self.args = ServerArgs(model_path=model_json, load_format="dummy", tokenizer_path=tokenizer_dir,
-                               context_length=4096, device=DEVICE, **overrides)
-        self.args.vocab_size = cfg["vocab_size"]
-        client = None
+        args = ServerArgs(model_path=model_json, load_format="dummy", tokenizer_path=tokenizer_dir,
+                          context_length=4096, device=DEVICE, grammar_backend="xgrammar", **overrides)
+        settings = resolve_settings(args)
+        launch = LaunchInfo(tokenizer_dir=tokenizer_dir, vocab_size=cfg["vocab_size"])
         if grammar:
             eos = cfg["eos_token_id"] if isinstance(cfg["eos_token_id"], list) else [cfg["eos_token_id"]]
             eos = sorted(set(eos) | {self.tokenizer.eos_token_id})
-            self.args.eos_token_ids = tuple(eos)
             # Masks over the tokenizer's vocabulary: the dummy models' logits are wider (128,256 columns vs
             # 49,152 tokens) and the columns past the bitmask are disallowed when it is applied. Padding the
             # grammar's vocabulary with ~79k empty tokens makes xgrammar's fills ~5x slower.
             gvocab = len(self.tokenizer)
-            eos = [t for t in eos if t < gvocab]
-            self.args.eos_token_ids = tuple(eos)
-            client = self._grammar_workers(tokenizer_dir, gvocab)
+            launch = LaunchInfo(tokenizer_dir=tokenizer_dir, vocab_size=gvocab,
+                                eos_token_ids=tuple(t for t in eos if t < gvocab))
+        self.config = ServerConfig(args, settings, launch)
+        client = self._grammar_workers() if grammar else None
         t0 = time.time()
-        self.sched = Scheduler(self.args, self.tokenizer, client)
+        self.sched = Scheduler(self.config, self.tokenizer, client)
         if client is not None and not token_feed:
             client.stop_feed()
         if client is not None and not busy_poll:
             client.busy_poll = False  # both sides of the grammar hand-off block (and sleep-poll the feed)
-        torch.set_num_threads(default_num_threads(self.sched.device))  # as the server's scheduler process does
+        torch.set_num_threads(settings.scheduler_threads)  # as the server's scheduler process does
         self.start_seconds = time.time() - t0
         self.info = self.sched.runner.info
         self.vocab = len(self.tokenizer)
@@ -156,9 +156,10 @@ class Engine:
             self.add(list(range(100, 100 + n)), 4)
         self.run()
 
-    def _grammar_workers(self, tokenizer_dir: str, gvocab: int):
+    def _grammar_workers(self):
         """The server's own grammar workers and GrammarClient (ZeroMQ + shared-memory bitmask and token
         feed)."""
+        import dataclasses
         import multiprocessing as mp
         import tempfile
 
@@ -176,16 +177,16 @@ class Engine:
                 if resp.fill_ms:
                     self.fill_ms[resp.step] = max(self.fill_ms.get(resp.step, 0.0), resp.fill_ms)
 
-        self.args.ipc_dir = tempfile.mkdtemp(prefix="gramserve-bench-")
-        self.args.vocab_size = gvocab
-        self.args.grammar_backend = "xgrammar"
-        self._shm = create_grammar_shm(self.args.max_running_requests, gvocab)
-        self.args.grammar_shm = self._shm.name
+        config = self.config
+        self._shm = create_grammar_shm(config.settings.max_running_requests, config.launch.vocab_size)
+        launch = dataclasses.replace(config.launch, ipc_dir=tempfile.mkdtemp(prefix="gramserve-bench-"),
+                                     grammar_shm=self._shm.name)
+        config = self.config = dataclasses.replace(config, launch=launch)
         ctx = mp.get_context("spawn")
         self._gprocs = []
-        for shard in range(self.args.grammar_shards):
+        for shard in range(config.settings.grammar_shards):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=run_grammar_worker, args=(self.args, tokenizer_dir, writer, shard), daemon=True)
+            proc = ctx.Process(target=run_grammar_worker, args=(config, writer, shard), daemon=True)
             proc.start()
             self._gprocs.append((proc, reader))
         for proc, reader in self._gprocs:
@@ -194,7 +195,7 @@ class Engine:
             msg = reader.recv()
             if "error" in msg:
                 raise RuntimeError(msg["error"])
-        return TimedGrammarClient(self.args, zmq.Context())
+        return TimedGrammarClient(config, zmq.Context())
 
     def add(self, prompt: list[int], max_new: int, grammar: bool = False, **sampling) -> None:
         """One request, greedy unless `sampling` sets other SamplingParams (temperature, top_p, ...)."""
@@ -667,9 +668,7 @@ def main() -> None:
                      busy_poll=not args.no_busy_poll, overlap_schedule=args.overlap_schedule, **engine_kw)
         RESULTS.setdefault("engine", {})[name] = {"start_s": eng.start_seconds, **eng.info.__dict__,
                                                   "hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
-                                                  "max_running_requests": eng.args.max_running_requests,
-                                                  "chunked_prefill_size": eng.args.chunked_prefill_size,
-                                                  "grammar_shards": eng.args.grammar_shards}
+                                                  "settings": eng.config.settings.to_dict()}
         log.info("engine %s: %s", name, RESULTS["engine"][name])
         if "decode" not in skip:
             bench_decode_b1(eng, name, bw)

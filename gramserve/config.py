@@ -1,4 +1,12 @@
-"""Server configuration: one typed dataclass built from the command line and shared by every process."""
+"""Server configuration, in three frozen records that flow one way (launcher -> every process):
+
+* `ServerArgs`: the command line as parsed (`auto` and unset values stay as given);
+* `Settings`: every `auto` and device default resolved, once, by the launcher (`server/settings.py`);
+* `LaunchInfo`: what the launcher derives at start-up (ipc paths, the grammar shared memory, the vocabulary
+  size, EOS ids, the resolved tool-call parser and the grammar text tokens).
+
+`ServerConfig` bundles the three; it is what the child processes receive.
+"""
 
 from __future__ import annotations
 
@@ -56,7 +64,7 @@ def device_kind(device: str) -> str:
     return "cuda" if device.startswith("cuda") else "cpu"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ServerArgs:
     model_path: str | None = None  # GGUF file, HF-format folder, or config.json for dummy weights
     served_model_name: str | None = None
@@ -71,7 +79,7 @@ class ServerArgs:
     context_length: int | None = None  # defaults to the model's max_position_embeddings
     kv_cache_memory_gb: float | None = None  # KV pool budget; default: a share of free memory
     mem_fraction_static: float = 0.85  # GPU: fraction of device memory for weights + KV
-    # None: the device's default (DEVICE_DEFAULTS), set when the arguments are made.
+    # None: the device's default (DEVICE_DEFAULTS), resolved into Settings.
     cuda_graph_max_bs: int | None = None  # GPU: decode batches up to this size replay captured CUDA graphs
     disable_cuda_graph: bool = False
     # auto: on for CUDA (the CPU work of step N+1 runs while the GPU computes step N), off on CPU, where the
@@ -107,21 +115,10 @@ class ServerArgs:
     chat_template: str | None = None  # a Jinja file or template text replacing the tokenizer's
     tool_call_parser: str | None = None  # default: detected from the chat template (hermes when unclear)
     reasoning_parser: str | None = None  # e.g. deepseek-r1, qwen3, qwen3-thinking; None: no reasoning split
-    # Filled by the launcher at start-up.
-    ipc_dir: str = ""
-    grammar_shm: str = ""  # shared-memory name of the token feed + bitmask (grammar/grammar_shm.py)
-    vocab_size: int = 0  # logits width
-    eos_token_ids: tuple[int, ...] = ()
-    grammar_text_tokens: tuple[str, ...] = ()  # tool-call / reasoning markers grammars may match as one token
 
     def __post_init__(self):
-        defaults = DEVICE_DEFAULTS[device_kind(self.device)]
-        for name in ("max_running_requests", "chunked_prefill_size", "cuda_graph_max_bs", "max_consecutive_prefills"):
-            if getattr(self, name) is None:
-                setattr(self, name, getattr(defaults, name))
-        if self.grammar_shards is None:
-            self.grammar_shards = min(defaults.max_grammar_shards, max(1, available_cores() // 4))
-        elif self.grammar_shards < 1:
+        # Combinations argparse cannot check alone (the command line turns these into usage errors).
+        if self.grammar_shards is not None and self.grammar_shards < 1:
             raise ValueError(f"grammar_shards must be at least 1, got {self.grammar_shards}")
         if self.sampling_backend == "flashinfer" and device_kind(self.device) != "cuda":
             raise ValueError("--sampling-backend flashinfer needs a CUDA device")
@@ -137,9 +134,6 @@ class ServerArgs:
             if base.endswith(suffix):
                 base = base[: -len(suffix)]
         return base
-
-    def ipc_path(self, name: str) -> str:
-        return f"ipc://{os.path.join(self.ipc_dir, name)}"
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -232,6 +226,58 @@ class ServerArgs:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every `auto` and device default of ServerArgs, resolved once (`server/settings.resolve_settings`)."""
+
+    device: str  # cpu | cuda
+    dtype: str  # float32 | bfloat16 | float16
+    attention_backend: str  # torch | flashinfer | triton | flashinfer_triton
+    sampling_backend: str  # torch | flashinfer
+    overlap_schedule: bool
+    max_running_requests: int
+    chunked_prefill_size: int  # 0: no chunking
+    cuda_graph_max_bs: int  # 0: decode runs without CUDA graphs
+    max_consecutive_prefills: int  # 0: no limit
+    grammar_shards: int
+    grammar_fill_threads: int  # per grammar worker; 0: row by row
+    scheduler_threads: int  # torch CPU threads in the scheduler process
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What the launcher derives at start-up and hands to every process."""
+
+    tokenizer_dir: str = ""  # the tokenizer (and chat template) every process loads
+    ipc_dir: str = ""  # the private folder of the ipc:// sockets
+    grammar_shm: str = ""  # shared-memory name of the token feed + bitmask (grammar/grammar_shm.py); "": none
+    vocab_size: int = 0  # logits width
+    eos_token_ids: tuple[int, ...] = ()
+    tool_call_parser: str = "hermes"  # --tool-call-parser, or detected from the chat template
+    grammar_text_tokens: tuple[str, ...] = ()  # tool-call / reasoning markers grammars may match as one token
+
+    def ipc_path(self, name: str) -> str:
+        return f"ipc://{os.path.join(self.ipc_dir, name)}"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The whole configuration of a running server: given, resolved, derived."""
+
+    args: ServerArgs
+    settings: Settings
+    launch: LaunchInfo = LaunchInfo()
+
+    def ipc_path(self, name: str) -> str:
+        return self.launch.ipc_path(name)
 
 
 def _int_at_least(value: str, minimum: int, alternative: str = "") -> int:

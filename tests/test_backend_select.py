@@ -4,11 +4,13 @@ fast path."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
 
 from gramserve.config import DEVICE_DEFAULTS, ServerArgs
+from gramserve.server.settings import resolve_settings
 
 from gramserve.model.attention import create_backend, resolve_backend_name
 from gramserve.model.cuda_graph_runner import capture_sizes
@@ -32,37 +34,57 @@ def test_gpu_backends_refuse_cpu(name):
 def test_device_defaults_fill_what_the_command_line_leaves_out(monkeypatch):
     parser = argparse.ArgumentParser()
     ServerArgs.add_cli_args(parser)
+
+    def settings(*argv: str):
+        return resolve_settings(ServerArgs.from_cli_args(parser.parse_args(list(argv))))
+
     for device in ("cpu", "cuda"):
-        args = ServerArgs.from_cli_args(parser.parse_args(["--device", device]))
+        got = settings("--device", device)
         want = DEVICE_DEFAULTS[device]
-        assert (args.max_running_requests, args.chunked_prefill_size, args.cuda_graph_max_bs,
-                args.max_consecutive_prefills) == \
-            (want.max_running_requests, want.chunked_prefill_size, want.cuda_graph_max_bs, want.max_consecutive_prefills)
-    given = ServerArgs.from_cli_args(parser.parse_args(
-        ["--device", "cuda", "--max-running-requests", "64", "--chunked-prefill-size", "0", "--cuda-graph-max-bs", "8"]))
+        assert (got.max_running_requests, got.chunked_prefill_size, got.max_consecutive_prefills) == \
+            (want.max_running_requests, want.chunked_prefill_size, want.max_consecutive_prefills)
+        # No CUDA graphs off CUDA; on CUDA the device's default size.
+        assert got.cuda_graph_max_bs == (want.cuda_graph_max_bs if device == "cuda" else 0)
+    given = settings("--device", "cuda", "--max-running-requests", "64", "--chunked-prefill-size", "0",
+                     "--cuda-graph-max-bs", "8")
     assert (given.max_running_requests, given.chunked_prefill_size, given.cuda_graph_max_bs) == (64, 0, 8)
-    assert ServerArgs.from_cli_args(parser.parse_args(["--device", "cuda", "--max-consecutive-prefills", "3"])
-                                    ).max_consecutive_prefills == 3
+    assert settings("--device", "cuda", "--disable-cuda-graph").cuda_graph_max_bs == 0
+    assert settings("--device", "cuda", "--max-consecutive-prefills", "3").max_consecutive_prefills == 3
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-consecutive-prefills", "-1"])
     assert DEVICE_DEFAULTS["cuda"].chunked_prefill_size > DEVICE_DEFAULTS["cpu"].chunked_prefill_size
-    # Grammar processes: one on CPU; on CUDA one per four cores, at most the cap; as given when given.
-    import gramserve.config as config
+    # The overlap schedule: on for CUDA, off on CPU, unless given.
+    assert settings("--device", "cuda").overlap_schedule and not settings("--device", "cpu").overlap_schedule
+    assert settings("--device", "cpu", "--overlap-schedule", "on").overlap_schedule
+    assert not settings("--device", "cuda", "--disable-overlap-schedule").overlap_schedule
+    # Grammar workers: one on CPU; on CUDA one per four cores, at most the cap; as given when given.
+    import gramserve.server.settings as settings_module
 
     for cores, want_shards in ((2, 1), (16, 4), (64, 8)):
-        monkeypatch.setattr(config, "available_cores", lambda cores=cores: cores)
-        assert ServerArgs(device="cuda").grammar_shards == want_shards
-        assert ServerArgs(device="cpu").grammar_shards == 1
+        monkeypatch.setattr(settings_module, "available_cores", lambda cores=cores: cores)
+        assert resolve_settings(ServerArgs(device="cuda")).grammar_shards == want_shards
+        assert resolve_settings(ServerArgs(device="cpu")).grammar_shards == 1
     monkeypatch.undo()
-    assert ServerArgs.from_cli_args(parser.parse_args(["--device", "cuda", "--grammar-shards", "3"])).grammar_shards == 3
+    assert settings("--device", "cuda", "--grammar-shards", "3").grammar_shards == 3
     for bad in ("0", "-2", "two"):
         with pytest.raises(SystemExit):  # argparse's usage error, exit status 2
             parser.parse_args(["--grammar-shards", bad])
     with pytest.raises(ValueError, match="grammar_shards"):
         ServerArgs(grammar_shards=0)
     # auto on this machine: whatever torch sees.
-    auto = ServerArgs()
-    assert auto.max_running_requests == DEVICE_DEFAULTS["cuda" if torch.cuda.is_available() else "cpu"].max_running_requests
+    auto = resolve_settings(ServerArgs())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert auto.device == device
+    assert auto.max_running_requests == DEVICE_DEFAULTS[device].max_running_requests
+    assert (auto.dtype, auto.attention_backend) == (("bfloat16", auto.attention_backend) if device == "cuda"
+                                                    else ("float32", "torch"))
+
+
+def test_server_args_are_frozen_as_parsed():
+    args = ServerArgs()
+    assert args.max_running_requests is None and args.device == "auto"  # resolved into Settings, not here
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.max_running_requests = 4
 
 
 def test_capture_sizes():
@@ -88,6 +110,7 @@ def test_sampling_backend_choice(capsys):
     from gramserve.sampling.flashinfer_sampling import resolve_sampling_backend
 
     assert resolve_sampling_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_settings(ServerArgs(device="cpu")).sampling_backend == "torch"
     assert Sampler(40, 32, torch.device("cpu")).kernels is None
     with pytest.raises(ValueError, match="CUDA"):
         resolve_sampling_backend("flashinfer", torch.device("cpu"))

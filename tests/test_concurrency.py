@@ -39,6 +39,14 @@ def test_32_concurrent_streams_match_sequential(make_async_client, client, model
     info = httpx.get(base_url + "/get_server_info").json()
     assert info["stats"]["forward_steps"] > 0
     assert info["sampling_backend"] == "torch" or info["runner"]["device"].startswith("cuda")  # flashinfer: CUDA only
+    # Every `auto` reported as given and as resolved; what the launcher derived beside it.
+    assert info["server_args"]["device"] == "auto" and info["server_args"]["max_running_requests"] is None
+    settings = info["settings"]
+    assert settings["device"] == info["runner"]["device"].split(":")[0]
+    assert settings["sampling_backend"] == info["sampling_backend"]
+    assert settings["attention_backend"] == info["runner"]["attention_backend"]
+    assert settings["max_running_requests"] == info["kv_pool"]["max_running_requests"]
+    assert info["launch"]["tool_call_parser"] and info["launch"]["vocab_size"] > 0
 
     for prompt, (text, finish) in zip(prompts, concurrent):
         assert finish in ("stop", "length")

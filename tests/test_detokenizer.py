@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from gramserve.config import ServerArgs
+from gramserve.server.settings import in_process_config
 from gramserve.detokenizer.incremental import IncrementalDecoder, StopStringFilter
 from gramserve.detokenizer.process import DetokenizerManager, run_detokenizer_process
 from gramserve.ipc import DETOKENIZER_IN, TOKENIZER_MANAGER_IN, pull_socket, push_socket
@@ -403,13 +404,14 @@ def detok_process(request):
     from gramserve.model.loader import default_tokenizer_dir
 
     ipc_dir = tempfile.mkdtemp(prefix="gs-detok-")
-    args = ServerArgs(ipc_dir=ipc_dir, log_level="warning")
+    args = in_process_config(ServerArgs(log_level="warning", device="cpu"), ipc_dir=ipc_dir,
+                             tokenizer_dir=default_tokenizer_dir())
     ctx = zmq.Context()
     out_sock = pull_socket(ctx, args.ipc_path(TOKENIZER_MANAGER_IN))
     out_sock.setsockopt(zmq.RCVTIMEO, 20000)
     mpctx = mp.get_context("spawn")
     reader, writer = mpctx.Pipe(duplex=False)
-    proc = mpctx.Process(target=run_detokenizer_process, args=(args, default_tokenizer_dir(), writer), daemon=True)
+    proc = mpctx.Process(target=run_detokenizer_process, args=(args, writer), daemon=True)
     proc.start()
     try:
         yield args, ctx, out_sock, reader, proc

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import wait_pool_whole
 from gramserve.config import ServerArgs
+from gramserve.server.settings import in_process_config
 from gramserve.messages import TokenizedGenerateReq
 from gramserve.sampling.params import SamplingParams
 from gramserve.scheduler.scheduler import Scheduler
@@ -29,7 +30,7 @@ def _workload() -> list[list[int]]:
 
 def _run(tokenizer, prompts, waves: int = 2, params=None, **kw) -> tuple[dict, dict]:
     """Run the prompts through a scheduler in `waves` (later waves can hit the cache); return outputs + info."""
-    sched = Scheduler(ServerArgs(**kw), tokenizer)
+    sched = Scheduler(in_process_config(ServerArgs(**kw)), tokenizer)
     outs: dict[str, list[int]] = {}
     finished: dict[str, str] = {}
     per_wave = -(-len(prompts) // waves)
@@ -101,8 +102,8 @@ def test_overlap_schedule_gives_the_same_tokens(tokenizer):
 
 
 def test_fcfs_policy_and_priority(tokenizer):
-    sched = Scheduler(ServerArgs(kv_cache_memory_gb=0.3, schedule_policy="fcfs", max_running_requests=1),
-                      tokenizer)
+    sched = Scheduler(in_process_config(ServerArgs(kv_cache_memory_gb=0.3, schedule_policy="fcfs",
+                                                   max_running_requests=1)), tokenizer)
     order = []
     for rid, prio in (("low", 5), ("high", -1), ("mid", 0)):
         sched.add_request(TokenizedGenerateReq(rid, [10, 11, 12], SamplingParams(max_new_tokens=2, temperature=0),
@@ -167,8 +168,9 @@ def test_max_consecutive_prefills_bounds_the_stall_of_running_streams(tokenizer,
     at most N prefill steps run between two decode steps; with 0 the prompts are prefilled back to back, as SGLang.
     The tokens are the same whatever the limit, in the plain loop and under the overlap schedule (CUDA's
     default)."""
-    sched = Scheduler(ServerArgs(device="cpu", chunked_prefill_size=16, max_consecutive_prefills=1,
-                                 overlap_schedule=overlap, kv_cache_memory_gb=0.05, context_length=256), tokenizer)
+    args = ServerArgs(device="cpu", chunked_prefill_size=16, max_consecutive_prefills=1, overlap_schedule=overlap,
+                      kv_cache_memory_gb=0.05, context_length=256)
+    sched = Scheduler(in_process_config(args), tokenizer)
     assert sched.max_consecutive_prefills == 1
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     prompts = {"running": range(500, 510), "long": range(600, 696), "short-a": range(700, 710),

@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gramserve.config import ServerArgs
-from gramserve.model.runner import ModelRunner
+from gramserve.model.runner import ModelRunner, RunnerConfig
 from test_model_vs_hf import Harness
 
 BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -42,7 +41,7 @@ def test_family_matches_hf(family, tmp_path):
                 p.add_(torch.randn_like(p) * 0.1)
     hf.save_pretrained(tmp_path)
 
-    runner = ModelRunner(ServerArgs(model_path=str(tmp_path), kv_cache_memory_gb=0.01), max_running_requests=4)
+    runner = ModelRunner(RunnerConfig(model_path=str(tmp_path), kv_cache_memory_gb=0.01, max_running_requests=4))
     assert runner.config.family in family
     h = Harness(runner)
     prompts = [[5, 17, 99, 3, 250, 8, 41], [300, 2, 77], list(range(10, 60))]

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gramserve.config import ServerArgs
 from gramserve.model.forward_batch import ForwardBatch, ForwardMode
-from gramserve.model.runner import ModelRunner
+from gramserve.model.runner import ModelRunner, RunnerConfig
 from gramserve.scheduler.memory import ReqToTokenPool, TokenSlotAllocator
 
 PROMPTS = [
@@ -54,7 +53,7 @@ class Harness:
 
 @pytest.fixture(scope="module")
 def runner():
-    return ModelRunner(ServerArgs(kv_cache_memory_gb=0.25), max_running_requests=16)
+    return ModelRunner(RunnerConfig(kv_cache_memory_gb=0.25, max_running_requests=16))
 
 
 @pytest.fixture(scope="module")

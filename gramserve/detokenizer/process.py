@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from gramserve.config import ServerArgs
+from gramserve.config import ServerConfig
 from gramserve.detokenizer.incremental import IncrementalDecoder, StopStringFilter
 from gramserve.ipc import DETOKENIZER_IN, TOKENIZER_MANAGER_IN, exit_when_parent_dies, pull_socket, push_socket
 from gramserve.messages import BatchTextOut, BatchTokenOut, FinishReason
@@ -110,18 +110,18 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def run_detokenizer_process(server_args: ServerArgs, tokenizer_dir: str, ready_pipe: Any) -> None:
+def run_detokenizer_process(config: ServerConfig, ready_pipe: Any) -> None:
     """Entry point of the Detokenizer process (multiprocessing spawn target)."""
     import zmq
     from transformers import AutoTokenizer
 
-    _setup_logging(server_args.log_level)
+    _setup_logging(config.args.log_level)
     exit_when_parent_dies()
-    manager = DetokenizerManager(AutoTokenizer.from_pretrained(tokenizer_dir))
+    manager = DetokenizerManager(AutoTokenizer.from_pretrained(config.launch.tokenizer_dir))
 
     ctx = zmq.Context()
-    recv_sock = pull_socket(ctx, server_args.ipc_path(DETOKENIZER_IN))
-    send_sock = push_socket(ctx, server_args.ipc_path(TOKENIZER_MANAGER_IN))
+    recv_sock = pull_socket(ctx, config.ipc_path(DETOKENIZER_IN))
+    send_sock = push_socket(ctx, config.ipc_path(TOKENIZER_MANAGER_IN))
     ready_pipe.send("ready")
     logger.info("detokenizer ready")
 

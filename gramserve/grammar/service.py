@@ -24,7 +24,7 @@ import torch
 from gramserve.grammar.backends import BACKEND_NAMES, create_backend
 from gramserve.grammar.backends.base import GrammarBackend, GrammarCompileError, GrammarOptions, Matcher
 from gramserve.grammar.compile_process import PROCESS_BACKENDS, BackendArgs, ProcessCompiler, compile_grammar
-from gramserve.grammar.fill import FillPool, fill_rows, resolve_fill_threads
+from gramserve.grammar.fill import FillPool, fill_rows
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class LRU(OrderedDict):
 class GrammarService:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], options: GrammarOptions,
                  bitmask: torch.Tensor, default_backend: str = "xgrammar", compile_timeout_s: float = 5.0,
-                 cache_size: int = 512, compile_threads: int = 2, fill_threads: int | str | None = "auto",
+                 cache_size: int = 512, compile_threads: int = 2, fill_threads: int = 1,
                  compile_processes: bool = True):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -82,7 +82,7 @@ class GrammarService:
         self.pending: dict[str, _PendingCompile] = {}
         self.compile_threads = compile_threads
         self.pool = ThreadPoolExecutor(max_workers=compile_threads, thread_name_prefix="grammar-compile")
-        self.fill_pool = FillPool(resolve_fill_threads(fill_threads))
+        self.fill_pool = FillPool(fill_threads)  # resolved by server/settings.py (0: row by row)
         # Backends in PROCESS_BACKENDS compile in worker processes (made on first use) unless this is False.
         self.compile_processes = compile_processes
         self._compilers: dict[str, ProcessCompiler] = {}

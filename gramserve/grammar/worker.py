@@ -17,9 +17,8 @@ import time
 import torch
 import zmq
 
-from gramserve.config import ServerArgs
+from gramserve.config import ServerConfig
 from gramserve.grammar.backends.base import GrammarOptions
-from gramserve.grammar.fill import resolve_fill_threads
 from gramserve.grammar.grammar_shm import attach_grammar_shm
 from gramserve.grammar.service import GrammarService
 from gramserve.grammar.token_feed import FeedReader, ShardState, take_fed_ids
@@ -34,32 +33,33 @@ def worker_name(shard: int, shards: int) -> str:
     return "grammar-worker" if shards == 1 else f"grammar-worker{shard}"
 
 
-def run_grammar_worker(args: ServerArgs, tokenizer_dir: str, ready_pipe, shard: int = 0) -> None:
-    """Entry point (multiprocessing spawn) of grammar worker `shard`. args.grammar_shm names the bitmask shared
-    memory."""
-    name = worker_name(shard, args.grammar_shards)
+def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None:
+    """Entry point (multiprocessing spawn) of grammar worker `shard`; `config.launch.grammar_shm` names the
+    shared memory of the bitmask and the token feed."""
+    args, settings, launch = config.args, config.settings, config.launch
+    name = worker_name(shard, settings.grammar_shards)
     logging.basicConfig(level=args.log_level.upper(), format=f"%(asctime)s [{name}] %(levelname)s %(message)s")
     exit_when_parent_dies()
     torch.set_num_threads(1)
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        shared = attach_grammar_shm(args.grammar_shm, args.max_running_requests, args.vocab_size)
+        tokenizer = AutoTokenizer.from_pretrained(launch.tokenizer_dir)
+        shared = attach_grammar_shm(launch.grammar_shm, settings.max_running_requests, launch.vocab_size)
         options = GrammarOptions(max_whitespace=args.grammar_max_whitespace, strict_json=args.grammar_strict_json,
-                                 text_tokens=tuple(args.grammar_text_tokens))
-        service = GrammarService(tokenizer, args.vocab_size, args.eos_token_ids, options, shared.bitmask,
+                                 text_tokens=launch.grammar_text_tokens)
+        service = GrammarService(tokenizer, launch.vocab_size, launch.eos_token_ids, options, shared.bitmask,
                                  default_backend=args.grammar_backend,
                                  compile_timeout_s=args.grammar_compile_timeout,
-                                 fill_threads=resolve_fill_threads(args.grammar_fill_threads, args.grammar_shards))
-        feed = FeedReader(shared.shm.buf, args.max_running_requests)
+                                 fill_threads=settings.grammar_fill_threads)
+        feed = FeedReader(shared.shm.buf, settings.max_running_requests)
     except Exception as exc:  # noqa: BLE001 - reported to the launcher
         logger.exception("grammar worker failed to start")
         ready_pipe.send({"error": f"{type(exc).__name__}: {exc}"})
         return
     ctx = zmq.Context()
-    inbox = pull_socket(ctx, args.ipc_path(grammar_inbox(shard)))
-    to_scheduler = push_socket(ctx, args.ipc_path(SCHEDULER_GRAMMAR_IN))
+    inbox = pull_socket(ctx, launch.ipc_path(grammar_inbox(shard)))
+    to_scheduler = push_socket(ctx, launch.ipc_path(SCHEDULER_GRAMMAR_IN))
     ready_pipe.send({"ok": True})
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)

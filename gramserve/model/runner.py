@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gramserve.config import ServerArgs
-from gramserve.model.attention import create_backend, resolve_backend_name
+from gramserve.model.attention import create_backend
 from gramserve.model.forward_batch import ForwardBatch
 from gramserve.model.kv_cache import KVCache
 from gramserve.model.llama import LlamaForCausalLM
@@ -24,7 +23,22 @@ from gramserve.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+@dataclass(frozen=True)
+class RunnerConfig:
+    """What the model runner needs, with every `auto` already resolved (see `server/settings.py`)."""
+
+    model_path: str | None = None  # GGUF file, HF-format folder, or config.json (dummy weights); None: default model
+    load_format: str = "auto"  # auto | dummy
+    device: str = "cpu"  # cpu | cuda
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    attention_backend: str = "torch"  # torch | flashinfer | triton | flashinfer_triton
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    kv_cache_memory_gb: float | None = None  # KV pool budget; None: a share of free memory
+    mem_fraction_static: float = 0.85  # GPU: fraction of device memory for weights + KV
+    max_running_requests: int = 16  # sizes the KV pool's cap and the activation reserve
+    max_step_tokens: int = 512  # most tokens one prefill step runs (activation reserve)
+    cuda_graph_max_bs: int = 0  # decode batches up to this size replay CUDA graphs; 0: none
+    seed: int = 0  # dummy weights
 
 
 @dataclass
@@ -46,43 +60,31 @@ class RunnerInfo:
     memory: dict | None = None  # GiB: weights, kv_pool, activation reserve, device total (CUDA only)
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
 class ModelRunner:
-    def __init__(self, args: ServerArgs, max_running_requests: int):
+    def __init__(self, config: RunnerConfig):
         t0 = time.time()
-        self.args = args
-        self.device = pick_device(args.device)
-        self.dtype = pick_dtype(args.dtype, self.device)
-        path, kind = resolve_model(args.model_path, args.load_format)
+        self.cfg = cfg = config
+        self.device = torch.device(cfg.device)
+        self.dtype = getattr(torch, cfg.dtype)
+        path, kind = resolve_model(cfg.model_path, cfg.load_format)
         self.model_dir = path if os.path.isdir(path) else os.path.dirname(path)
         self.config = ModelConfig.from_dict(load_config_dict(path))
-        self.context_length = min(args.context_length or self.config.max_position_embeddings,
+        self.context_length = min(cfg.context_length or self.config.max_position_embeddings,
                                   self.config.max_position_embeddings)
 
         self.model = self._build_model()
         if kind == "dummy":
-            self.model.init_dummy_weights(args.seed)
+            self.model.init_dummy_weights(cfg.seed)
         else:
             self._load_safetensors(path)
 
         self.memory: dict | None = None
-        num_slots = self._kv_slots(max_running_requests)
+        num_slots = self._kv_slots(cfg.max_running_requests)
         self.kv_cache = KVCache(self.config.num_layers, num_slots, self.config.num_kv_heads,
                                 self.config.head_dim, self.dtype, self.device)
         if self.memory is not None:
             self.memory["kv_pool_gib"] = round(self.kv_cache.nbytes / 2**30, 2)
-        backend_name = resolve_backend_name(args.attention_backend, self.device, self.dtype)
+        backend_name = cfg.attention_backend
         self.backend = create_backend(backend_name, self.kv_cache, self.config.num_heads)
         self.graph_runner = None  # made by init_cuda_graphs once the req_to_token table exists
         self.info = RunnerInfo(
@@ -127,8 +129,8 @@ class ModelRunner:
     def _kv_slots(self, max_running_requests: int) -> int:
         per_token = KVCache.bytes_per_token(self.config.num_layers, self.config.num_kv_heads,
                                             self.config.head_dim, self.dtype)
-        if self.args.kv_cache_memory_gb is not None:
-            budget = self.args.kv_cache_memory_gb * 2**30
+        if self.cfg.kv_cache_memory_gb is not None:
+            budget = self.cfg.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             free, total = torch.cuda.mem_get_info(self.device)
@@ -136,13 +138,13 @@ class ModelRunner:
             activations = self._activation_bytes(max_running_requests)
             # The static share holds weights + KV; activations and CUDA graphs come out of the rest, and
             # where the rest is too small for our estimate the KV pool gives way.
-            budget = total * self.args.mem_fraction_static - used
-            budget -= max(0.0, activations - total * (1 - self.args.mem_fraction_static))
+            budget = total * self.cfg.mem_fraction_static - used
+            budget -= max(0.0, activations - total * (1 - self.cfg.mem_fraction_static))
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             self.memory = {"device_total_gib": round(total / 2**30, 2), "weights_gib": round(weights / 2**30, 2),
                            "used_before_kv_gib": round(used / 2**30, 2),
                            "activation_reserve_gib": round(activations / 2**30, 2),
-                           "mem_fraction_static": self.args.mem_fraction_static}
+                           "mem_fraction_static": self.cfg.mem_fraction_static}
         else:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = min(2 * 2**30, 0.2 * avail)
@@ -158,20 +160,19 @@ class ModelRunner:
         hidden states, workspaces and CUDA graphs."""
         cfg, elt = self.config, torch.empty((), dtype=self.dtype).element_size()
         logits = max_running_requests * cfg.vocab_size * 4 * 3
-        tokens = self.args.chunked_prefill_size if self.args.chunked_prefill_size > 0 else self.args.max_prefill_tokens
+        tokens = self.cfg.max_step_tokens
         per_token = (cfg.hidden_size * 4 + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * 3
                      + cfg.intermediate_size * 3) * elt
         return logits + tokens * per_token + 1.5 * 2**30
 
     def init_cuda_graphs(self, req_to_token: torch.Tensor) -> None:
         """Capture decode graphs over the scheduler's req_to_token table (CUDA, graph-capable backend only)."""
-        args = self.args
-        if (self.device.type != "cuda" or args.disable_cuda_graph or args.cuda_graph_max_bs <= 0
-                or not self.backend.supports_cuda_graph):
+        max_bs = self.cfg.cuda_graph_max_bs
+        if self.device.type != "cuda" or max_bs <= 0 or not self.backend.supports_cuda_graph:
             return
         from gramserve.model.cuda_graph_runner import CudaGraphRunner
 
-        self.graph_runner = CudaGraphRunner(self.model, self.backend, req_to_token, args.cuda_graph_max_bs)
+        self.graph_runner = CudaGraphRunner(self.model, self.backend, req_to_token, max_bs)
         self.graph_runner.capture()
         self.info.cuda_graph_max_bs = self.graph_runner.max_bs
         if self.memory is not None:

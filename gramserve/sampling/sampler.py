@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from gramserve.sampling.flashinfer_sampling import resolve_sampling_backend
 from gramserve.sampling.params import SamplingParams
 
 
@@ -85,12 +84,14 @@ def _edits_logits(r: SamplingRow) -> bool:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, tokenizer_vocab_size: int, device: torch.device, backend: str = "auto"):
+    def __init__(self, vocab_size: int, tokenizer_vocab_size: int, device: torch.device, backend: str = "torch"):
         self.vocab_size = vocab_size
         self.device = device
         # Logit columns past the tokenizer's vocabulary (padded embeddings) are never sampled.
         self.pad_columns = slice(tokenizer_vocab_size, vocab_size) if tokenizer_vocab_size < vocab_size else None
-        self.backend = resolve_sampling_backend(backend, device)
+        if backend not in ("torch", "flashinfer"):  # `auto` is resolved by server/settings.py
+            raise ValueError(f"unknown sampling backend {backend!r}")
+        self.backend = backend
         self.kernels = None  # sort-free kernels for unseeded random rows (CUDA); None: the torch path for all
         if self.backend == "flashinfer":
             from gramserve.sampling.flashinfer_sampling import FlashInferSampling

@@ -31,7 +31,7 @@ from collections import OrderedDict, deque
 import torch
 import zmq
 
-from gramserve.config import ServerArgs
+from gramserve.config import ServerConfig
 from gramserve.grammar.grammar_shm import attach_grammar_shm, page_lock, page_unlock
 from gramserve.grammar.token_feed import FedLayout, FeedWriter
 from gramserve.ipc import SCHEDULER_GRAMMAR_IN, grammar_inbox, pull_socket, push_socket
@@ -54,12 +54,12 @@ class GrammarWorkerError(RuntimeError):
 
 
 class GrammarClient:
-    def __init__(self, args: ServerArgs, ctx: zmq.Context):
-        self.args = args
-        self.shards = max(1, args.grammar_shards)
-        self.to_grammar = [push_socket(ctx, args.ipc_path(grammar_inbox(i))) for i in range(self.shards)]
-        self.inbox = pull_socket(ctx, args.ipc_path(SCHEDULER_GRAMMAR_IN))
-        self._shared = attach_grammar_shm(args.grammar_shm, args.max_running_requests, args.vocab_size)
+    def __init__(self, config: ServerConfig, ctx: zmq.Context):
+        launch = config.launch
+        self.shards = config.settings.grammar_shards
+        self.to_grammar = [push_socket(ctx, launch.ipc_path(grammar_inbox(i))) for i in range(self.shards)]
+        self.inbox = pull_socket(ctx, launch.ipc_path(SCHEDULER_GRAMMAR_IN))
+        self._shared = attach_grammar_shm(launch.grammar_shm, config.settings.max_running_requests, launch.vocab_size)
         self.bitmask = self._shared.bitmask
         self._step = 0  # the last step number given out
         self._unanswered: list[deque[int]] = [deque() for _ in range(self.shards)]  # steps sent, per shard

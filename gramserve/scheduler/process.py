@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
 import zmq
 
-from gramserve.config import ServerArgs
+from gramserve.config import ServerConfig
 from gramserve.ipc import DETOKENIZER_IN, SCHEDULER_IN, exit_when_parent_dies, pull_socket, push_socket
 from gramserve.messages import AbortReq, ControlReq, ControlResp, TokenizedGenerateReq
 from gramserve.scheduler.grammar_client import GrammarClient
@@ -18,42 +17,27 @@ from gramserve.scheduler.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
-def run_scheduler_process(args: ServerArgs, tokenizer_dir: str, ready_pipe) -> None:
+def run_scheduler_process(config: ServerConfig, ready_pipe) -> None:
     """Entry point of the scheduler process (multiprocessing spawn)."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [scheduler] %(levelname)s %(message)s")
+    logging.basicConfig(level=config.args.log_level.upper(),
+                        format="%(asctime)s [scheduler] %(levelname)s %(message)s")
     exit_when_parent_dies()
     try:
-        torch.set_num_threads(args.num_threads or default_num_threads())
+        torch.set_num_threads(config.settings.scheduler_threads)
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer = AutoTokenizer.from_pretrained(config.launch.tokenizer_dir)
         ctx = zmq.Context()
-        grammar = GrammarClient(args, ctx) if args.grammar_shm else None
-        scheduler = Scheduler(args, tokenizer, grammar)
-        torch.set_num_threads(args.num_threads or default_num_threads(scheduler.device))
+        grammar = GrammarClient(config, ctx) if config.launch.grammar_shm else None
+        scheduler = Scheduler(config, tokenizer, grammar)
     except Exception as exc:  # noqa: BLE001 - reported to the launcher, which exits with it
         logger.exception("scheduler failed to start")
         ready_pipe.send({"error": f"{type(exc).__name__}: {exc}"})
         return
-    inbox = pull_socket(ctx, args.ipc_path(SCHEDULER_IN))
-    to_detok = push_socket(ctx, args.ipc_path(DETOKENIZER_IN))
+    inbox = pull_socket(ctx, config.ipc_path(SCHEDULER_IN))
+    to_detok = push_socket(ctx, config.ipc_path(DETOKENIZER_IN))
     ready_pipe.send({"ok": True, "runner": scheduler.runner.info.__dict__})
     loop(scheduler, inbox, to_detok)
-
-
-GPU_HOST_THREADS = 2
-
-
-def default_num_threads(device: torch.device | None = None) -> int:
-    """Torch CPU threads for the scheduler process."""
-    if device is not None and device.type == "cuda":
-        # The model runs on the GPU; host tensor ops are small (ids, bitmask copies). Idle OpenMP threads spin
-        # after each parallel op and would take cores from the grammar process's fill threads.
-        return GPU_HOST_THREADS
-    # Leave one core to the HTTP server and detokenizer: torch's OpenMP threads spin, and on a
-    # small machine a contended core slows every matmul several-fold.
-    cores = len(os.sched_getaffinity(0))
-    return max(1, cores - 1) if cores <= 4 else cores - 2
 
 
 def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket) -> None:

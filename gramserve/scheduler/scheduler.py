@@ -16,13 +16,14 @@ masks while the scheduler launches the next forward and does its own bookkeeping
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from gramserve.config import ServerArgs
+from gramserve.config import ServerConfig
 from gramserve.messages import BatchTokenOut, FinishReason, TokenizedGenerateReq, TokenLogprob
-from gramserve.model.runner import ModelRunner
+from gramserve.model.runner import ModelRunner, RunnerConfig
 from gramserve.sampling.grammar_masks import MaskApplier
 from gramserve.sampling.sampler import PendingSample, SampleResult, Sampler
 from gramserve.scheduler.admission import Admission
@@ -63,49 +64,57 @@ class _Sampled:
     fed: bool = False  # the constrained rows' ids went to the grammar process through the token feed
 
 
-def use_overlap(setting: str, device: torch.device) -> bool:
-    if setting == "auto":
-        return device.type == "cuda"
-    return setting == "on"
+def runner_config(config: ServerConfig) -> RunnerConfig:
+    """The model runner's share of the server configuration."""
+    args, settings = config.args, config.settings
+    return RunnerConfig(
+        model_path=args.model_path, load_format=args.load_format, device=settings.device, dtype=settings.dtype,
+        attention_backend=settings.attention_backend, context_length=args.context_length,
+        kv_cache_memory_gb=args.kv_cache_memory_gb, mem_fraction_static=args.mem_fraction_static,
+        max_running_requests=settings.max_running_requests,
+        max_step_tokens=settings.chunked_prefill_size or args.max_prefill_tokens,
+        cuda_graph_max_bs=settings.cuda_graph_max_bs, seed=args.seed)
 
 
 class Scheduler:
     """Runs one step at a time over `admission` (what to prefill), `kv` (KV slots), `batches` and the model."""
 
-    def __init__(self, args: ServerArgs, tokenizer, grammar: GrammarClient | None = None):
-        self.args = args
+    def __init__(self, config: ServerConfig, tokenizer, grammar: GrammarClient | None = None):
+        self.config = config
+        args, settings = config.args, config.settings
+        self.max_queued_requests = args.max_queued_requests
         self.grammar = grammar
         self.grammar_wait: dict[str, Req] = {}  # compiling constraints, by rid
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(args, args.max_running_requests)
+        self.runner = ModelRunner(runner_config(config))
         self.device = self.runner.device
         info = self.runner.info
         self.context_length = info.context_length
         self.allocator = TokenSlotAllocator(info.max_total_tokens, self.device)
-        self.req_pool = ReqToTokenPool(args.max_running_requests, self.context_length, self.device)
+        self.req_pool = ReqToTokenPool(settings.max_running_requests, self.context_length, self.device)
         self.runner.init_cuda_graphs(self.req_pool.table)  # GPU: decode graphs read this table
-        self.sampler = Sampler(info.vocab_size, len(tokenizer), self.device, args.sampling_backend)
-        self.eos_ids = set(args.eos_token_ids or info.eos_token_ids)
+        self.sampler = Sampler(info.vocab_size, len(tokenizer), self.device, settings.sampling_backend)
+        self.eos_ids = set(config.launch.eos_token_ids or info.eos_token_ids)
         if tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.cache = RadixCache(self.allocator, disabled=args.disable_radix_cache)
-        self.overlap = use_overlap(args.overlap_schedule, self.device)
+        self.overlap = settings.overlap_schedule
         self.mask_applier: MaskApplier | None = None
         if grammar is not None:
             grammar.attach(self.device, use_feed=self.overlap)  # first: on CUDA it page-locks the masks' memory
             self.mask_applier = MaskApplier(grammar.bitmask, self.device, pinned=grammar.pinned)
         # The last sampled token of each request row, written on the device by sampling, read by decode.
-        self.last_tokens = torch.zeros(args.max_running_requests, dtype=torch.long, device=self.device)
+        self.last_tokens = torch.zeros(settings.max_running_requests, dtype=torch.long, device=self.device)
         self.inflight: _Sampled | None = None  # overlap: the previous step, not yet read back
         self.stats = zero_counters()
         self.kv = KvAccounting(self.allocator, self.req_pool, self.cache, args.kv_reserve_ratio)
-        self.admission = Admission(self.kv, args.schedule_policy, args.chunked_prefill_size, args.max_prefill_tokens,
-                                   self.stats)
+        self.admission = Admission(self.kv, args.schedule_policy, settings.chunked_prefill_size,
+                                   args.max_prefill_tokens, self.stats)
         self.batches = BatchBuilder(self.kv, self.device, self.last_tokens)
         self.running: list[Req] = []
         self.finished_early: list[Req] = []  # rejected before running; reported by the next step
         self._prefills_in_a_row = 0  # prefill steps since the last decode step
-        self.max_consecutive_prefills = args.max_consecutive_prefills  # while requests decode; 0: no limit
+        self.max_consecutive_prefills = settings.max_consecutive_prefills  # while requests decode; 0: no limit
         self.phases = StepPhases()
 
     # --- arrival --------------------------------------------------------------------------------
@@ -118,7 +127,7 @@ class Scheduler:
         if max_new < 1 or len(msg.input_ids) + 1 > self.allocator.size:
             req.finished = FinishReason("abort", message="prompt does not fit in the KV cache / context",
                                         status_code=400)
-        elif self.args.max_queued_requests is not None and queued >= self.args.max_queued_requests:
+        elif self.max_queued_requests is not None and queued >= self.max_queued_requests:
             req.finished = FinishReason("abort", message=f"the waiting queue is full ({queued} requests); retry later",
                                         status_code=503)
         elif req.grammar is not None:

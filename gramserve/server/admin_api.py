@@ -5,12 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
-from gramserve.config import ServerArgs
+from gramserve.config import ServerConfig
 from gramserve.server.error_handlers import error_response
 from gramserve.server.tokenizer_manager import TokenizerManager
 
 
-def admin_router(args: ServerArgs, tm: TokenizerManager) -> APIRouter:
+def admin_router(config: ServerConfig, tm: TokenizerManager) -> APIRouter:
     router = APIRouter()
 
     @router.get("/health")
@@ -20,7 +20,9 @@ def admin_router(args: ServerArgs, tm: TokenizerManager) -> APIRouter:
     @router.get("/get_server_info")
     async def server_info():
         info = await tm.control("server_info")
-        return JSONResponse({"server_args": args.to_dict(), "model_name": args.model_name, **info})
+        # As given, as resolved (every `auto`), as derived at start-up; then the scheduler's live report.
+        return JSONResponse({"server_args": config.args.to_dict(), "settings": config.settings.to_dict(),
+                             "launch": config.launch.to_dict(), "model_name": config.args.model_name, **info})
 
     @router.post("/flush_cache")
     async def flush_cache():

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from gramserve.config import ServerArgs
+from gramserve.config import ServerConfig
 from gramserve.server.admin_api import admin_router
 from gramserve.server.error_handlers import register_error_handlers
 from gramserve.server.native_api import native_router
@@ -15,7 +15,7 @@ from gramserve.server.openai_api import openai_router
 from gramserve.server.tokenizer_manager import TokenizerManager
 
 
-def create_app(args: ServerArgs, tm: TokenizerManager, runner_info: dict) -> FastAPI:
+def create_app(config: ServerConfig, tm: TokenizerManager, runner_info: dict) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         tm.start()  # the receive loop needs the server's event loop
@@ -23,7 +23,7 @@ def create_app(args: ServerArgs, tm: TokenizerManager, runner_info: dict) -> Fas
 
     app = FastAPI(title="gramserve", version="0.1.0", lifespan=lifespan)
     register_error_handlers(app)
-    app.include_router(openai_router(args, tm, runner_info))
-    app.include_router(native_router(args, tm))
-    app.include_router(admin_router(args, tm))
+    app.include_router(openai_router(config, tm, runner_info))
+    app.include_router(native_router(config.args, tm))
+    app.include_router(admin_router(config, tm))
     return app

@@ -7,6 +7,7 @@ exits non-zero; on Ctrl-C / SIGTERM the children are stopped too (and they exit 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import multiprocessing as mp
@@ -20,13 +21,14 @@ import time
 
 import uvicorn
 
-from gramserve.config import ServerArgs
+from gramserve.config import LaunchInfo, ServerArgs, ServerConfig, Settings
 from gramserve.detokenizer.process import run_detokenizer_process
 from gramserve.grammar.grammar_shm import create_grammar_shm
 from gramserve.grammar.worker import run_grammar_worker, worker_name
 from gramserve.model.loader import default_tokenizer_dir, load_config_dict, resolve_model
 from gramserve.model.model_config import ModelConfig
 from gramserve.scheduler.process import run_scheduler_process
+from gramserve.server.settings import resolve_settings
 
 logger = logging.getLogger("gramserve")
 
@@ -79,9 +81,9 @@ def read_chat_template(value: str) -> str:
     return value
 
 
-def _child_entry(target, args: ServerArgs, tokenizer_dir: str, pipe) -> None:
+def _child_entry(target, config: ServerConfig, pipe) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    target(args, tokenizer_dir, pipe)
+    target(config, pipe)
 
 
 def _wait_ready(name: str, proc: mp.Process, pipe, timeout: float = 600.0):
@@ -97,43 +99,55 @@ def _wait_ready(name: str, proc: mp.Process, pipe, timeout: float = 600.0):
     raise StartupError(f"{name} did not become ready in {timeout:.0f} s")
 
 
+def describe_settings(settings: Settings) -> str:
+    return ", ".join(f"{k}={v}" for k, v in settings.to_dict().items())
+
+
+def derive_launch_info(args: ServerArgs, tokenizer_dir: str, ipc_dir: str, tokenizer) -> LaunchInfo:
+    """What the child processes need besides the arguments: the tokenizer folder, the vocabulary, EOS ids and
+    the resolved parsers (the grammar shared memory's name is added once it exists)."""
+    model_cfg = ModelConfig.from_dict(load_config_dict(resolve_model(args.model_path, args.load_format)[0]))
+    eos = set(model_cfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    parser, text_tokens = resolve_parsers(args, tokenizer)
+    return LaunchInfo(tokenizer_dir=tokenizer_dir, ipc_dir=ipc_dir, vocab_size=model_cfg.vocab_size,
+                      eos_token_ids=tuple(sorted(eos)), tool_call_parser=parser, grammar_text_tokens=text_tokens)
+
+
 def launch_server(args: ServerArgs) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [main] %(levelname)s %(message)s")
-    args.ipc_dir = tempfile.mkdtemp(prefix="gramserve-ipc-")
+    ipc_dir = tempfile.mkdtemp(prefix="gramserve-ipc-")
     ctx = mp.get_context("spawn")
     procs: dict[str, mp.Process] = {}
     shm = None
     try:
         from transformers import AutoTokenizer
 
+        settings = resolve_settings(args)
+        logger.info("settings: %s", describe_settings(settings))
         tokenizer_dir = tokenizer_dir_for(args)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         if args.chat_template:
             tokenizer.chat_template = read_chat_template(args.chat_template)
-        model_cfg = ModelConfig.from_dict(load_config_dict(resolve_model(args.model_path, args.load_format)[0]))
-        args.vocab_size = model_cfg.vocab_size
-        eos = set(model_cfg.eos_token_ids)
-        if tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        args.eos_token_ids = tuple(sorted(eos))
-        args.tool_call_parser, args.grammar_text_tokens = resolve_parsers(args, tokenizer)
-        shm = create_grammar_shm(args.max_running_requests, args.vocab_size)
-        args.grammar_shm = shm.name
+        launch = derive_launch_info(args, tokenizer_dir, ipc_dir, tokenizer)
+        shm = create_grammar_shm(settings.max_running_requests, launch.vocab_size)
+        config = ServerConfig(args, settings, dataclasses.replace(launch, grammar_shm=shm.name))
         pipes = {}
         children = [("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)]
-        children += [(worker_name(i, args.grammar_shards), functools.partial(run_grammar_worker, shard=i))
-                     for i in range(args.grammar_shards)]
+        children += [(worker_name(i, settings.grammar_shards), functools.partial(run_grammar_worker, shard=i))
+                     for i in range(settings.grammar_shards)]
         for name, target in children:
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child_entry, args=(target, args, tokenizer_dir, writer), name=name)
+            proc = ctx.Process(target=_child_entry, args=(target, config, writer), name=name)
             proc.start()
             procs[name], pipes[name] = proc, reader
         for name, _ in children[1:]:
             _wait_ready(name, procs[name], pipes[name])
         ready = _wait_ready("scheduler", procs["scheduler"], pipes["scheduler"])
         runner_info = ready["runner"]
-        return _serve(args, tokenizer, runner_info, procs)
-    except StartupError as exc:
+        return _serve(config, tokenizer, runner_info, procs)
+    except (StartupError, ValueError) as exc:
         logger.error("%s", exc)
         return 1
     finally:
@@ -144,7 +158,7 @@ def launch_server(args: ServerArgs) -> int:
             proc.join(timeout=5)
             if proc.is_alive():
                 proc.kill()
-        shutil.rmtree(args.ipc_dir, ignore_errors=True)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
         if shm is not None:
             shm.close()
             shm.unlink()
@@ -158,15 +172,15 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _serve(args: ServerArgs, tokenizer, runner_info: dict, procs: dict[str, mp.Process]) -> int:
+def _serve(config: ServerConfig, tokenizer, runner_info: dict, procs: dict[str, mp.Process]) -> int:
     from gramserve.server.app import create_app
     from gramserve.server.tokenizer_manager import TokenizerManager
 
-    tm = TokenizerManager(args, tokenizer, runner_info["context_length"], runner_info["vocab_size"])
-    app = create_app(args, tm, runner_info)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            timeout_keep_alive=30, timeout_graceful_shutdown=5)
-    server = _Server(config)
+    args = config.args
+    tm = TokenizerManager(config, tokenizer, runner_info["context_length"], runner_info["vocab_size"])
+    app = create_app(config, tm, runner_info)
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                    timeout_keep_alive=30, timeout_graceful_shutdown=5))
     dead: list[str] = []
 
     def on_signal(signum, _frame) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gramserve.config import ServerArgs
+from gramserve.config import ServerConfig
 from gramserve.server import protocol as P
 from gramserve.server.errors import ModelNotServedError
 from gramserve.server.openai_serving import OpenAIServing
@@ -13,9 +13,10 @@ from gramserve.server.request_body import parse_body
 from gramserve.server.tokenizer_manager import TokenizerManager
 
 
-def openai_router(args: ServerArgs, tm: TokenizerManager, runner_info: dict) -> APIRouter:
+def openai_router(config: ServerConfig, tm: TokenizerManager, runner_info: dict) -> APIRouter:
     router = APIRouter()
-    serving = OpenAIServing(tm, args)
+    args = config.args
+    serving = OpenAIServing(tm, config)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in (args.model_name, "default"):

@@ -9,10 +9,10 @@ import asyncio
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
-from gramserve.config import ServerArgs
+from gramserve.config import ServerConfig
 from gramserve.messages import GrammarRequest, TokenLogprob
 from gramserve.parsers.reasoning import ReasoningParser, get_reasoning_parser
-from gramserve.parsers.tool_calls import detect_tool_call_parser, get_tool_call_parser
+from gramserve.parsers.tool_calls import get_tool_call_parser
 from gramserve.sampling.params import SamplingParams
 from gramserve.server import protocol as P
 from gramserve.server.chat_output import ChoiceStream, DeltaFields, final_output, finish_reason
@@ -59,17 +59,16 @@ class CompletionSetup:
 
 
 class OpenAIServing:
-    def __init__(self, tm: TokenizerManager, args: ServerArgs):
+    def __init__(self, tm: TokenizerManager, config: ServerConfig):
         self.tm = tm
-        self.args = args
+        self.args = args = config.args
         self.model_name = args.model_name
         self.max_n = args.max_n
         chat_template = getattr(tm.tokenizer, "chat_template", None)
         if isinstance(chat_template, dict):  # several named templates (e.g. "default", "tool_use")
             chat_template = "\n".join(t for t in chat_template.values() if isinstance(t, str))
         self.native_tools = template_supports_tools(chat_template)
-        self.tool_parser = args.tool_call_parser or detect_tool_call_parser(chat_template, None)
-        get_tool_call_parser(self.tool_parser)  # an unknown name fails at start-up
+        self.tool_parser = config.launch.tool_call_parser  # checked by the launcher (resolve_parsers)
         self.reasoning_cls = get_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
 
     def grammar(self, req: P.SamplingFields) -> GrammarRequest | None:

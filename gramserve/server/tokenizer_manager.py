@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 import zmq
 import zmq.asyncio
 
-from gramserve.config import ServerArgs
+from gramserve.config import ServerConfig
 from gramserve.ipc import SCHEDULER_IN, TOKENIZER_MANAGER_IN, pull_socket, push_socket
 from gramserve.messages import (
     AbortReq, BatchTextOut, ControlReq, ControlResp, FinishReason, GrammarRequest, TokenizedGenerateReq,
@@ -60,14 +60,13 @@ class _ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, args: ServerArgs, tokenizer, context_length: int, vocab_size: int):
-        self.args = args
+    def __init__(self, config: ServerConfig, tokenizer, context_length: int, vocab_size: int):
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.vocab_size = vocab_size
         self.ctx = zmq.asyncio.Context()
-        self.inbox = pull_socket(self.ctx, args.ipc_path(TOKENIZER_MANAGER_IN))
-        self.to_scheduler = push_socket(self.ctx, args.ipc_path(SCHEDULER_IN))
+        self.inbox = pull_socket(self.ctx, config.ipc_path(TOKENIZER_MANAGER_IN))
+        self.to_scheduler = push_socket(self.ctx, config.ipc_path(SCHEDULER_IN))
         self.states: dict[str, _ReqState] = {}
         self.control_waiters: dict[str, asyncio.Future] = {}
         self._recv_task: asyncio.Task | None = None

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gramserve.config import ServerArgs
 from gramserve.model.forward_batch import ForwardBatch, ForwardMode
-from gramserve.model.runner import ModelRunner
+from gramserve.model.runner import ModelRunner, RunnerConfig
 from gramserve.scheduler.memory import ReqToTokenPool, TokenSlotAllocator
 
 # Small but realistic GQA shapes (head_dim 128, 4 query heads per KV head) and the default model's shapes.
@@ -27,10 +26,10 @@ SMOLLM_135M = {
 def make_runner(config_path: str, backend: str, dtype: str = "bfloat16", device: str = "cuda",
                 graphs: bool = False, max_reqs: int = 256, graph_bs: int = 256, seed: int = 0,
                 kv_gb: float = 1.0) -> tuple[ModelRunner, "Harness"]:
-    args = ServerArgs(model_path=config_path, load_format="dummy", device=device, dtype=dtype,
-                      attention_backend=backend, kv_cache_memory_gb=kv_gb, seed=seed, context_length=4096,
-                      disable_cuda_graph=not graphs, cuda_graph_max_bs=graph_bs, max_running_requests=max_reqs)
-    runner = ModelRunner(args, max_running_requests=max_reqs)
+    config = RunnerConfig(model_path=config_path, load_format="dummy", device=device, dtype=dtype,
+                          attention_backend=backend, kv_cache_memory_gb=kv_gb, seed=seed, context_length=4096,
+                          cuda_graph_max_bs=graph_bs if graphs else 0, max_running_requests=max_reqs)
+    runner = ModelRunner(config)
     harness = Harness(runner, max_reqs)
     runner.init_cuda_graphs(harness.pool.table)
     return runner, harness

@@ -80,12 +80,14 @@ def test_backend_matches_torch(backend, graphs, gqa_config, reference):
         assert all(e < TOL for e in errs), errs
 
 
-def test_auto_picks_gpu_backend(gqa_config):
-    runner, _ = make_runner(gqa_config, "auto")
-    assert runner.info.attention_backend == ("flashinfer_triton" if len(BACKENDS) == 3 else
-                                             BACKENDS[0] if BACKENDS else "torch")
-    runner32, _ = make_runner(gqa_config, "auto", dtype="float32")
-    assert runner32.info.attention_backend == ("triton" if "triton" in BACKENDS else "torch")
+def test_auto_picks_gpu_backend():
+    from gramserve.config import ServerArgs
+    from gramserve.server.settings import resolve_settings
+
+    assert resolve_settings(ServerArgs(device="cuda")).attention_backend == (
+        "flashinfer_triton" if len(BACKENDS) == 3 else BACKENDS[0] if BACKENDS else "torch")
+    assert resolve_settings(ServerArgs(device="cuda", dtype="float32")).attention_backend == (
+        "triton" if "triton" in BACKENDS else "torch")
 
 
 def greedy(harness, prompts: list[list[int]], steps: int) -> list[list[int]]:

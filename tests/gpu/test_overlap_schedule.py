@@ -10,6 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from gramserve.config import ServerArgs
+from gramserve.server.settings import in_process_config
 from gramserve.messages import TokenizedGenerateReq
 from gramserve.model.loader import default_tokenizer_dir
 from gramserve.sampling.params import SamplingParams
@@ -30,7 +31,7 @@ def _scheduler(config_dir, overlap: str) -> Scheduler:
     args = ServerArgs(model_path=path, load_format="dummy", tokenizer_path=tok,
                       context_length=2048, kv_cache_memory_gb=1.0, max_running_requests=64, overlap_schedule=overlap,
                       dtype="float32", cuda_graph_max_bs=64)
-    return Scheduler(args, AutoTokenizer.from_pretrained(tok))
+    return Scheduler(in_process_config(args, tokenizer_dir=tok), AutoTokenizer.from_pretrained(tok))
 
 
 def _run(sched: Scheduler, n: int = 40) -> dict[str, list[int]]:

@@ -1,0 +1,80 @@
+"""Resolve every `auto` of the command line, once: ServerArgs -> Settings.
+
+Each rule lives with the code it concerns (attention backends in `model/attention`, sampling backends in
+`sampling/flashinfer_sampling`, fill threads in `grammar/fill`, batch sizes in `config.DEVICE_DEFAULTS`); this
+module is the one place that applies them. The launcher logs the result at start-up and /get_server_info reports
+it; in-process users (tests, benchmarks) call `resolve_settings` or `in_process_config` the same way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from gramserve.config import DEVICE_DEFAULTS, LaunchInfo, ServerArgs, ServerConfig, Settings, available_cores
+from gramserve.grammar.fill import resolve_fill_threads
+from gramserve.model.attention import resolve_backend_name
+from gramserve.sampling.flashinfer_sampling import resolve_sampling_backend
+
+GPU_HOST_THREADS = 2
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    if name == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    return name
+
+
+def scheduler_threads(device: str) -> int:
+    """Torch CPU threads for the scheduler process."""
+    if device == "cuda":
+        # The model runs on the GPU; host tensor ops are small (ids, bitmask copies). Idle OpenMP threads spin
+        # after each parallel op and would take cores from the grammar workers' fill threads.
+        return GPU_HOST_THREADS
+    # Leave one core to the HTTP server and detokenizer: torch's OpenMP threads spin, and on a
+    # small machine a contended core slows every matmul several-fold.
+    cores = len(os.sched_getaffinity(0))
+    return max(1, cores - 1) if cores <= 4 else cores - 2
+
+
+def resolve_settings(args: ServerArgs) -> Settings:
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    defaults = DEVICE_DEFAULTS[device]
+
+    def given_or_default(name: str) -> int:
+        value = getattr(args, name)
+        return getattr(defaults, name) if value is None else value
+
+    shards = args.grammar_shards or min(defaults.max_grammar_shards, max(1, available_cores() // 4))
+    # auto: on for CUDA (the CPU work of step N+1 runs while the GPU computes step N), off on CPU, where the
+    # forward is synchronous and overlapping only costs one wasted token per finishing request.
+    overlap = device == "cuda" if args.overlap_schedule == "auto" else args.overlap_schedule == "on"
+    graphs = 0 if device != "cuda" or args.disable_cuda_graph else given_or_default("cuda_graph_max_bs")
+    return Settings(
+        device=device,
+        dtype=dtype,
+        attention_backend=resolve_backend_name(args.attention_backend, torch.device(device), getattr(torch, dtype)),
+        sampling_backend=resolve_sampling_backend(args.sampling_backend, torch.device(device)),
+        overlap_schedule=overlap,
+        max_running_requests=given_or_default("max_running_requests"),
+        chunked_prefill_size=given_or_default("chunked_prefill_size"),
+        cuda_graph_max_bs=max(0, graphs),
+        max_consecutive_prefills=given_or_default("max_consecutive_prefills"),
+        grammar_shards=shards,
+        grammar_fill_threads=resolve_fill_threads(args.grammar_fill_threads, shards),
+        scheduler_threads=args.num_threads or scheduler_threads(device),
+    )
+
+
+def in_process_config(args: ServerArgs | None = None, **launch) -> ServerConfig:
+    """A ServerConfig for an engine built in this process (tests, benchmarks): `launch` fills LaunchInfo."""
+    args = args if args is not None else ServerArgs()
+    return ServerConfig(args, resolve_settings(args), LaunchInfo(**launch))
