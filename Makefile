@@ -3,7 +3,7 @@ PYTHON ?= python3
 PORT ?= 30000
 HOST ?= 127.0.0.1
 
-.PHONY: install install-test serve test bench
+.PHONY: install install-test serve lint test bench
 
 # The CPU build of torch first (a plain `torch` requirement would pull a multi-GB CUDA build).
 install:
@@ -17,5 +17,10 @@ serve: install
 install-test: install
 	$(PYTHON) -m pip install -e ".[test]" -c tests/constraints.txt
 
-test: install-test
+# ruff: lint and format check (rules and line length in pyproject.toml); `ruff format .` fixes the format.
+lint: install-test
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+test: lint
 	$(PYTHON) -m pytest tests -q

@@ -42,11 +42,24 @@ from typing import Any
 
 import httpx
 
-CATEGORIES = {"simple": "simple_python", "multiple": "multiple", "parallel": "parallel",
-              "parallel_multiple": "parallel_multiple"}
+CATEGORIES = {
+    "simple": "simple_python",
+    "multiple": "multiple",
+    "parallel": "parallel",
+    "parallel_multiple": "parallel_multiple",
+}
 CACHE = os.path.expanduser("~/.cache/gramserve/bfcl")
-TYPE_MAP = {"dict": "object", "float": "number", "tuple": "array", "integer": "integer", "string": "string",
-            "boolean": "boolean", "array": "array", "object": "object", "number": "number"}
+TYPE_MAP = {
+    "dict": "object",
+    "float": "number",
+    "tuple": "array",
+    "integer": "integer",
+    "string": "string",
+    "boolean": "boolean",
+    "array": "array",
+    "object": "object",
+    "number": "number",
+}
 
 
 # --------------------------------------------------------------------------- data
@@ -70,8 +83,9 @@ class BfclData:
         found = sorted(glob.glob(os.path.join(CACHE, "bfcl_eval-*.whl")))
         if not found:
             os.makedirs(CACHE, exist_ok=True)
-            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", CACHE, "bfcl-eval"],
-                           check=True)
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", CACHE, "bfcl-eval"], check=True
+            )
             found = sorted(glob.glob(os.path.join(CACHE, "bfcl_eval-*.whl")))
         return found[-1]
 
@@ -106,8 +120,19 @@ def to_json_schema(p: Any) -> Any:
             out["properties"] = {name: to_json_schema(s) for name, s in v.items()}
         elif k == "items":
             out["items"] = to_json_schema(v)
-        elif k in ("description", "enum", "required", "default", "format", "maximum", "minimum", "maxItems",
-                   "minItems", "pattern", "additionalProperties"):
+        elif k in (
+            "description",
+            "enum",
+            "required",
+            "default",
+            "format",
+            "maximum",
+            "minimum",
+            "maxItems",
+            "minItems",
+            "pattern",
+            "additionalProperties",
+        ):
             out[k] = v
     if out.get("type") == "object" and "properties" in out and "required" in out:
         out["required"] = [r for r in out["required"] if r in out["properties"]]
@@ -126,8 +151,12 @@ def tools_for(question: dict) -> tuple[list[dict], dict[str, str], dict[str, dic
         schema = to_json_schema(fn.get("parameters") or {"type": "object", "properties": {}})
         schema.setdefault("type", "object")
         schemas[name] = schema
-        tools.append({"type": "function", "function": {"name": name, "description": fn.get("description", ""),
-                                                       "parameters": schema}})
+        tools.append(
+            {
+                "type": "function",
+                "function": {"name": name, "description": fn.get("description", ""), "parameters": schema},
+            }
+        )
     return tools, names, schemas
 
 
@@ -168,7 +197,7 @@ def _deep_equal(a: Any, b: Any) -> bool:
 
 
 def call_matches(name: str, args: dict, truth: dict) -> bool:
-    (fn, params), = truth.items()
+    ((fn, params),) = truth.items()
     if name != fn:
         return False
     for p, accepted in params.items():
@@ -203,8 +232,15 @@ class CategoryResult:
     examples_invalid: list[str] = field(default_factory=list)
 
 
-async def run_category(http: httpx.AsyncClient, url: str, model: str, category: str, questions: list[dict],
-                       answers: dict, args: argparse.Namespace) -> CategoryResult:
+async def run_category(
+    http: httpx.AsyncClient,
+    url: str,
+    model: str,
+    category: str,
+    questions: list[dict],
+    answers: dict,
+    args: argparse.Namespace,
+) -> CategoryResult:
     import jsonschema
 
     res = CategoryResult()
@@ -212,10 +248,16 @@ async def run_category(http: httpx.AsyncClient, url: str, model: str, category: 
 
     async def one(q: dict) -> None:
         tools, names, schemas = tools_for(q)
-        body = {"model": model, "messages": q["question"][0], "tools": tools, "tool_choice": args.tool_choice,
-                "temperature": 0, "max_tokens": args.max_tokens,
-                # simple and multiple expect exactly one call: say so, as a client expecting one call would
-                "parallel_tool_calls": args.parallel or category.startswith("parallel")}
+        body = {
+            "model": model,
+            "messages": q["question"][0],
+            "tools": tools,
+            "tool_choice": args.tool_choice,
+            "temperature": 0,
+            "max_tokens": args.max_tokens,
+            # simple and multiple expect exactly one call: say so, as a client expecting one call would
+            "parallel_tool_calls": args.parallel or category.startswith("parallel"),
+        }
         async with sem:
             try:
                 r = await http.post(url, json=body, timeout=600)
@@ -265,21 +307,31 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             res = await run_category(http, base + "/v1/chat/completions", model, short, qs, answers, args)
             results["categories"][short] = {**res.__dict__, "seconds": round(time.perf_counter() - t0, 1)}
-            print(f"{short}: {res.questions} questions, valid calls {res.valid_calls}/{res.calls}, "
-                  f"accuracy {res.correct}/{res.questions}, errors {res.errors}", flush=True)
+            print(
+                f"{short}: {res.questions} questions, valid calls {res.valid_calls}/{res.calls}, "
+                f"accuracy {res.correct}/{res.questions}, errors {res.errors}",
+                flush=True,
+            )
     return results
 
 
 def table(results: dict[str, Any], command: str) -> str:
-    rows = ["| category | questions | answered | valid calls | valid-call rate | exact-match accuracy | "
-            "hit max_tokens | errors |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| category | questions | answered | valid calls | valid-call rate | exact-match accuracy | "
+        "hit max_tokens | errors |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for cat, r in results["categories"].items():
         rate = r["valid_calls"] / r["calls"] if r["calls"] else float("nan")
         acc = r["correct"] / r["questions"] if r["questions"] else float("nan")
-        rows.append(f"| {cat} | {r['questions']} | {r['answered']} | {r['valid_calls']}/{r['calls']} | "
-                    f"{rate:.1%} | {acc:.1%} | {r['finish_length']} | {r['errors']} |")
-    head = (f"BFCL {results['bfcl_version']} against {results['model']}, {datetime.now():%Y-%m-%d %H:%M}, "
-            f"command: `{command}`")
+        rows.append(
+            f"| {cat} | {r['questions']} | {r['answered']} | {r['valid_calls']}/{r['calls']} | "
+            f"{rate:.1%} | {acc:.1%} | {r['finish_length']} | {r['errors']} |"
+        )
+    head = (
+        f"BFCL {results['bfcl_version']} against {results['model']}, {datetime.now():%Y-%m-%d %H:%M}, "
+        f"command: `{command}`"
+    )
     return head + "\n\n" + "\n".join(rows)
 
 
@@ -291,8 +343,11 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=384)
     ap.add_argument("--tool-choice", default="required", choices=["required", "auto"])
-    ap.add_argument("--parallel", action="store_true",
-                    help="parallel_tool_calls true for every category (default: only for the parallel ones)")
+    ap.add_argument(
+        "--parallel",
+        action="store_true",
+        help="parallel_tool_calls true for every category (default: only for the parallel ones)",
+    )
     ap.add_argument("--output", default=None, help="write the JSON results here")
     args = ap.parse_args()
     results = asyncio.run(main_async(args))

@@ -15,8 +15,12 @@ import argparse
 import torch
 import triton
 
-from gramserve.model.attention.triton_kernels import (_decode_merge_kernel, _decode_split_kernel, decode_splits,
-                                                      decode_tile)
+from gramserve.model.attention.triton_kernels import (
+    _decode_merge_kernel,
+    _decode_split_kernel,
+    decode_splits,
+    decode_tile,
+)
 
 HQ, HKV, D = 32, 8, 128
 STAGES = 2  # as decode_attention launches the kernel (tile and warps: decode_tile)
@@ -31,13 +35,46 @@ def time_variant(q, k, v, table, rows, seq, block_n: int, warps: int, stages: in
 
     def call():
         _decode_split_kernel[(bs, HKV, splits)](
-            q, k, v, mid, lse, out, table, table.stride(0), rows, seq, D ** -0.5, q.stride(0), q.stride(1),
-            k.stride(0), k.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits, GROUP=HQ // HKV, BLOCK_H=16,
-            D=D, BLOCK_N=block_n, IEEE=False, num_warps=warps, num_stages=stages)
+            q,
+            k,
+            v,
+            mid,
+            lse,
+            out,
+            table,
+            table.stride(0),
+            rows,
+            seq,
+            D**-0.5,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=splits,
+            GROUP=HQ // HKV,
+            BLOCK_H=16,
+            D=D,
+            BLOCK_N=block_n,
+            IEEE=False,
+            num_warps=warps,
+            num_stages=stages,
+        )
         if splits == 1:  # as decode_attention: one split writes the output, no merge
             return
-        _decode_merge_kernel[(bs, HQ)](mid, lse, out, out.stride(0), out.stride(1), NUM_SPLITS=splits,
-                                       SPLITS_P2=max(2, triton.next_power_of_2(splits)), D=D, num_warps=4)
+        _decode_merge_kernel[(bs, HQ)](
+            mid,
+            lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=splits,
+            SPLITS_P2=max(2, triton.next_power_of_2(splits)),
+            D=D,
+            num_warps=4,
+        )
+
     call()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -74,10 +111,13 @@ def main() -> None:
 
         def fmt(ms):
             return f"{ms * 1e3:.1f} us ({gb / ms * 1e3:.0f} GB/s)"
+
         shipped_cfg = (*decode_tile(bs * HKV, False), STAGES, shipped_splits)
         shipped = next(ms for ms, cfg in results if cfg == shipped_cfg)
         best = ", ".join(f"{fmt(ms)} {cfg}" for ms, cfg in results[:4])
-        print(f"bs={bs} kv={kv}: shipped {fmt(shipped)} {shipped_cfg}; fastest (BLOCK_N, warps, stages, splits): {best}")
+        print(
+            f"bs={bs} kv={kv}: shipped {fmt(shipped)} {shipped_cfg}; fastest (BLOCK_N, warps, stages, splits): {best}"
+        )
 
 
 if __name__ == "__main__":

@@ -38,9 +38,9 @@ CONTROL_WORDS = 64  # int64: [0] step to run, [1] stop, [8 + k] step worker k fi
 
 def make_backend(tokenizer_dir: str | None):
     import torch
+    from bench_gpu import SCHEMA
     from transformers import AutoTokenizer
 
-    from bench_gpu import SCHEMA
     from gramserve.grammar.backends.base import GrammarOptions, GrammarSpec
     from gramserve.grammar.backends.xgrammar_backend import XGrammarBackend
     from gramserve.model.loader import default_tokenizer_dir
@@ -132,22 +132,24 @@ def run_procs(procs: int, rows: int, words: int, steps: int, warmup: int, tokeni
     shm = shared_memory.SharedMemory(create=True, size=CONTROL_WORDS * 8 + rows * words * 4)
     control = np.ndarray((CONTROL_WORDS,), dtype=np.int64, buffer=shm.buf)
     control[:] = 0
-    control[8:8 + procs] = control[32:32 + procs] = -1
+    control[8 : 8 + procs] = control[32 : 32 + procs] = -1
     ctx = mp.get_context("spawn")
-    workers = [ctx.Process(target=worker, args=(k, procs, rows, shm.name, words, tokenizer_dir), daemon=True)
-               for k in range(procs)]
+    workers = [
+        ctx.Process(target=worker, args=(k, procs, rows, shm.name, words, tokenizer_dir), daemon=True)
+        for k in range(procs)
+    ]
     for w in workers:
         w.start()
     try:
-        while (control[8:8 + procs] < 0).any():
+        while (control[8 : 8 + procs] < 0).any():
             time.sleep(0.01)
         times = []
         for step in range(1, steps + warmup + 1):
-            while (control[32:32 + procs] < step - 1).any():  # every worker has picked its tokens
+            while (control[32 : 32 + procs] < step - 1).any():  # every worker has picked its tokens
                 pass
             t0 = time.perf_counter()
             control[0] = step
-            while (control[8:8 + procs] < step).any():
+            while (control[8 : 8 + procs] < step).any():
                 pass
             times.append(time.perf_counter() - t0)
     finally:

@@ -45,13 +45,21 @@ DEVICE = "cuda"  # "cpu" only for a smoke run of the script itself (--device cpu
 def sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
+
+
 RESULTS: dict = {}
-SCHEMA = json.dumps({
-    "type": "object",
-    "properties": {"title": {"type": "string"}, "year": {"type": "integer"},
-                   "tags": {"type": "array", "items": {"type": "string"}}, "summary": {"type": "string"}},
-    "required": ["title", "year", "tags", "summary"],
-})
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string"},
+            "year": {"type": "integer"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+            "summary": {"type": "string"},
+        },
+        "required": ["title", "year", "tags", "summary"],
+    }
+)
 
 
 def save(path: str) -> None:
@@ -61,6 +69,7 @@ def save(path: str) -> None:
 
 def section(name: str):
     """Run a benchmark section; an exception is logged and recorded, the run goes on."""
+
     def wrap(fn):
         def run(*a, **kw):
             t0 = time.time()
@@ -71,11 +80,14 @@ def section(name: str):
                 RESULTS.setdefault("errors", []).append(f"{name}: {type(e).__name__}: {e}")
             finally:
                 log.info("section %s took %.1f s", name, time.time() - t0)
+
         return run
+
     return wrap
 
 
 # --- measurement helpers ---------------------------------------------------------------------------
+
 
 def copy_bandwidth(nbytes: int = 2 * 2**30) -> float:
     """Device-to-device copy, bytes read + written per second (median of 20)."""
@@ -101,7 +113,8 @@ def workload(n: int, seed: int, vocab: int, in_mean=200, out_mean=180) -> list[t
     sigma = 0.9
 
     def draw(mean, hi):
-        return int(min(hi, max(4, rng.lognormvariate(math.log(mean) - sigma ** 2 / 2, sigma))))
+        return int(min(hi, max(4, rng.lognormvariate(math.log(mean) - sigma**2 / 2, sigma))))
+
     out = []
     for _ in range(n):
         n_in, n_out = draw(in_mean, 1024), draw(out_mean, 512)
@@ -112,8 +125,15 @@ def workload(n: int, seed: int, vocab: int, in_mean=200, out_mean=180) -> list[t
 class Engine:
     """A Scheduler in this process, driven step by step."""
 
-    def __init__(self, model_json: str, tokenizer_dir: str, grammar: bool, token_feed: bool = True,
-                 busy_poll: bool = True, **overrides):
+    def __init__(
+        self,
+        model_json: str,
+        tokenizer_dir: str,
+        grammar: bool,
+        token_feed: bool = True,
+        busy_poll: bool = True,
+        **overrides,
+    ):
         from transformers import AutoTokenizer
 
         from gramserve.scheduler.scheduler import Scheduler
@@ -121,8 +141,15 @@ class Engine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         cfg = json.load(open(model_json))
-        args = ServerArgs(model_path=model_json, load_format="dummy", tokenizer_path=tokenizer_dir,
-                          context_length=4096, device=DEVICE, grammar_backend="xgrammar", **overrides)
+        args = ServerArgs(
+            model_path=model_json,
+            load_format="dummy",
+            tokenizer_path=tokenizer_dir,
+            context_length=4096,
+            device=DEVICE,
+            grammar_backend="xgrammar",
+            **overrides,
+        )
         settings = resolve_settings(args)
         launch = LaunchInfo(tokenizer_dir=tokenizer_dir, vocab_size=cfg["vocab_size"])
         if grammar:
@@ -132,8 +159,9 @@ class Engine:
             # 49,152 tokens) and the columns past the bitmask are disallowed when it is applied. Padding the
             # grammar's vocabulary with ~79k empty tokens makes xgrammar's fills ~5x slower.
             gvocab = len(self.tokenizer)
-            launch = LaunchInfo(tokenizer_dir=tokenizer_dir, vocab_size=gvocab,
-                                eos_token_ids=tuple(t for t in eos if t < gvocab))
+            launch = LaunchInfo(
+                tokenizer_dir=tokenizer_dir, vocab_size=gvocab, eos_token_ids=tuple(t for t in eos if t < gvocab)
+            )
         self.config = ServerConfig(args, settings, launch)
         client = self._grammar_workers() if grammar else None
         t0 = time.time()
@@ -179,8 +207,9 @@ class Engine:
 
         config = self.config
         self._shm = create_grammar_shm(config.settings.max_running_requests, config.launch.vocab_size)
-        launch = dataclasses.replace(config.launch, ipc_dir=tempfile.mkdtemp(prefix="gramserve-bench-"),
-                                     grammar_shm=self._shm.name)
+        launch = dataclasses.replace(
+            config.launch, ipc_dir=tempfile.mkdtemp(prefix="gramserve-bench-"), grammar_shm=self._shm.name
+        )
         config = self.config = dataclasses.replace(config, launch=launch)
         ctx = mp.get_context("spawn")
         self._gprocs = []
@@ -255,8 +284,11 @@ def step_histogram(steps) -> dict:
     for lo, hi in zip(edges, edges[1:]):
         sel = [s[3] for s in steps if lo <= s[1] < hi]
         if sel:
-            out[f"{lo}-{hi - 1}"] = {"steps": len(sel), "mean_ms": 1e3 * statistics.mean(sel),
-                                     "share": sum(sel) / total}
+            out[f"{lo}-{hi - 1}"] = {
+                "steps": len(sel),
+                "mean_ms": 1e3 * statistics.mean(sel),
+                "share": sum(sel) / total,
+            }
     return out
 
 
@@ -271,6 +303,7 @@ def weight_bytes_per_token(runner) -> int:
 
 
 # --- sections ------------------------------------------------------------------------------------------
+
 
 @section("decode_b1")
 def bench_decode_b1(eng: Engine, name: str, bw: float) -> None:
@@ -309,11 +342,21 @@ def bench_decode_b1(eng: Engine, name: str, bw: float) -> None:
         RESULTS.setdefault("graph_replay_ms", {})[name] = replay
     RESULTS.setdefault("decode_b1", {})[name] = {
         "graph_replay_ms": graph_ms,
-        "ms_per_token_median": per_tok * 1e3, "ms_per_token_mean": statistics.mean(dec) * 1e3,
-        "weight_gb_per_token": wbytes / 1e9, "roofline_ms": roof * 1e3, "ratio_to_roofline": per_tok / roof,
-        "cuda_graphs": eng.info.cuda_graph_max_bs > 0}
-    log.info("%s decode b1: %.2f ms/token (graph replay alone %s ms), roofline %.2f ms (%.2fx)", name, per_tok * 1e3,
-             graph_ms, roof * 1e3, per_tok / roof)
+        "ms_per_token_median": per_tok * 1e3,
+        "ms_per_token_mean": statistics.mean(dec) * 1e3,
+        "weight_gb_per_token": wbytes / 1e9,
+        "roofline_ms": roof * 1e3,
+        "ratio_to_roofline": per_tok / roof,
+        "cuda_graphs": eng.info.cuda_graph_max_bs > 0,
+    }
+    log.info(
+        "%s decode b1: %.2f ms/token (graph replay alone %s ms), roofline %.2f ms (%.2fx)",
+        name,
+        per_tok * 1e3,
+        graph_ms,
+        roof * 1e3,
+        per_tok / roof,
+    )
 
 
 @section("throughput")
@@ -326,13 +369,20 @@ def bench_throughput(eng: Engine, name: str, reqs) -> None:
     pre = sum(s[3] for s in res["steps"] if s[0] == "prefill")
     dec = [s for s in res["steps"] if s[0] == "decode"]
     RESULTS.setdefault("throughput", {})[name] = {
-        "requests": len(reqs), "input_tokens": sum(len(p) for p, _ in reqs), "output_tokens": res["output_tokens"],
-        "wall_s": res["wall_s"], "output_tok_s": res["output_tokens"] / res["wall_s"],
+        "requests": len(reqs),
+        "input_tokens": sum(len(p) for p, _ in reqs),
+        "output_tokens": res["output_tokens"],
+        "wall_s": res["wall_s"],
+        "output_tok_s": res["output_tokens"] / res["wall_s"],
         "total_tok_s": (res["output_tokens"] + sum(len(p) for p, _ in reqs)) / res["wall_s"],
-        "prefill_s": pre, "decode_s": sum(s[3] for s in dec), "decode_steps": len(dec),
+        "prefill_s": pre,
+        "decode_s": sum(s[3] for s in dec),
+        "decode_steps": len(dec),
         "mean_decode_batch": statistics.mean(s[1] for s in dec) if dec else 0,
         "decode_by_batch": step_histogram(dec),
-        "retractions": eng.sched.stats["retractions"], "phases_ms_per_step": phases}
+        "retractions": eng.sched.stats["retractions"],
+        "phases_ms_per_step": phases,
+    }
     log.info("%s throughput: %s", name, RESULTS["throughput"][name])
 
 
@@ -341,12 +391,14 @@ def bench_subset(eng: Engine, name: str, subset, n_out: int) -> None:
     for prompt, _ in subset:
         eng.add(prompt, n_out)
     res = eng.run()
-    RESULTS.setdefault("hf_compare", {}).setdefault(name, {})["gramserve_subset_tok_s"] = \
+    RESULTS.setdefault("hf_compare", {}).setdefault(name, {})["gramserve_subset_tok_s"] = (
         res["output_tokens"] / res["wall_s"]
+    )
 
 
-def _grammar_pass(eng: Engine, name: str, bs: int, constrained: bool, n_out: int, rng: random.Random,
-                  profile: str = "") -> dict:
+def _grammar_pass(
+    eng: Engine, name: str, bs: int, constrained: bool, n_out: int, rng: random.Random, profile: str = ""
+) -> dict:
     """One batch of `bs` requests (JSON-schema-constrained or not), decoded together: tok/s over its full-batch
     decode steps, the scheduler's host phases and, constrained, the grammar hand-off times."""
     kind = "constrained" if constrained else "unconstrained"
@@ -359,12 +411,14 @@ def _grammar_pass(eng: Engine, name: str, bs: int, constrained: bool, n_out: int
     profiler = None
     if profile:
         import cProfile
+
         profiler = cProfile.Profile()
         profiler.enable()
     res = eng.run()
     if profiler is not None:
         import io
         import pstats
+
         profiler.disable()
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
@@ -372,14 +426,18 @@ def _grammar_pass(eng: Engine, name: str, bs: int, constrained: bool, n_out: int
             f.write(f"== {name} batch {bs} {kind}\n{text.getvalue()}\n")
     full = [s for s in res["steps"] if s[0] == "decode" and s[1] == bs]
     use = full if len(full) >= 8 else [s for s in res["steps"] if s[0] == "decode"]
-    out = {"tok_s": sum(s[2] for s in use) / sum(s[3] for s in use), "steps": len(use),
-           "step_ms": 1e3 * sum(s[3] for s in use) / max(1, len(use)),
-           "phases_ms_per_step": phases_per_step(before, eng.sched.phases.snapshot())}
+    out = {
+        "tok_s": sum(s[2] for s in use) / sum(s[3] for s in use),
+        "steps": len(use),
+        "step_ms": 1e3 * sum(s[3] for s in use) / max(1, len(use)),
+        "phases_ms_per_step": phases_per_step(before, eng.sched.phases.snapshot()),
+    }
     if constrained:
         timing = dict(eng.sched.grammar.timing)
         out["grammar_client_ms_per_step"] = {
             k: round((timing[k] - timing_before[k]) / max(1, timing["steps"] - timing_before["steps"]), 3)
-            for k in ("wait_after_forward_ms", "apply_ms", "fill_ms")}
+            for k in ("wait_after_forward_ms", "apply_ms", "fill_ms")
+        }
         out["fed_steps"] = timing["fed_steps"] - timing_before["fed_steps"]
         if eng.sched.grammar.fill_ms:
             out["mask_fill_ms_median"] = statistics.median(eng.sched.grammar.fill_ms.values())
@@ -387,8 +445,9 @@ def _grammar_pass(eng: Engine, name: str, bs: int, constrained: bool, n_out: int
 
 
 @section("grammar")
-def bench_grammar(eng: Engine, name: str, batch_sizes=(1, 32, 256), n_out: int = 96, repeats: int = 5,
-                  profile: str = "") -> None:
+def bench_grammar(
+    eng: Engine, name: str, batch_sizes=(1, 32, 256), n_out: int = 96, repeats: int = 5, profile: str = ""
+) -> None:
     """Constrained vs unconstrained tok/s per batch size: `repeats` pairs of passes, unconstrained then
     constrained, back to back; the ratio reported is the median of the pairs' ratios (one pass is 0.1-0.5 s,
     short enough for a hiccup of the host to move it). `profile`: a file; the first pair at the largest batch size
@@ -406,13 +465,19 @@ def bench_grammar(eng: Engine, name: str, batch_sizes=(1, 32, 256), n_out: int =
             pairs.append((c["tok_s"] / u["tok_s"], u, c))
         pairs.sort(key=lambda p: p[0])
         ratio, u, c = pairs[len(pairs) // 2]  # the median pair (the upper one of an even count)
-        row = {"ratio": ratio, "ratios": [round(p[0], 3) for p in pairs],
-               "unconstrained": u["tok_s"], "constrained": c["tok_s"],
-               "unconstrained_step_ms": u["step_ms"], "constrained_step_ms": c["step_ms"],
-               "unconstrained_steps": u["steps"], "constrained_steps": c["steps"],
-               "unconstrained_phases_ms_per_step": u["phases_ms_per_step"],
-               "constrained_phases_ms_per_step": c["phases_ms_per_step"],
-               **{k: c[k] for k in ("grammar_client_ms_per_step", "fed_steps", "mask_fill_ms_median") if k in c}}
+        row = {
+            "ratio": ratio,
+            "ratios": [round(p[0], 3) for p in pairs],
+            "unconstrained": u["tok_s"],
+            "constrained": c["tok_s"],
+            "unconstrained_step_ms": u["step_ms"],
+            "constrained_step_ms": c["step_ms"],
+            "unconstrained_steps": u["steps"],
+            "constrained_steps": c["steps"],
+            "unconstrained_phases_ms_per_step": u["phases_ms_per_step"],
+            "constrained_phases_ms_per_step": c["phases_ms_per_step"],
+            **{k: c[k] for k in ("grammar_client_ms_per_step", "fed_steps", "mask_fill_ms_median") if k in c},
+        }
         out[bs] = row
         log.info("%s grammar bs=%d: %s", name, bs, row)
     RESULTS.setdefault("grammar", {})[name] = out
@@ -435,16 +500,18 @@ def bench_hf(model_json: str, name: str, subset, n_out: int) -> None:
     ids = torch.zeros((len(prompts), width), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):  # left padding
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     ids, mask = ids.to(DEVICE), mask.to(DEVICE)
     with torch.no_grad():
-        model.generate(ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, do_sample=False,
-                       pad_token_id=0)  # warm-up
+        model.generate(
+            ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, do_sample=False, pad_token_id=0
+        )  # warm-up
         sync()
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False,
-                             pad_token_id=0)
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out, do_sample=False, pad_token_id=0
+        )
         sync()
         dt = time.perf_counter() - t0
     gen = (out.shape[1] - width) * len(prompts)
@@ -458,8 +525,12 @@ def bench_hf(model_json: str, name: str, subset, n_out: int) -> None:
             kw = {}
             if "warmup" in inspect.signature(model.generate_batch).parameters:
                 kw["warmup"] = False  # its warm-up (graph capture) runs in an untimed call first
-                model.generate_batch(inputs=prompts[:4], generation_config=GenerationConfig(
-                    max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0))
+                model.generate_batch(
+                    inputs=prompts[:4],
+                    generation_config=GenerationConfig(
+                        max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0
+                    ),
+                )
             sync()
             t0 = time.perf_counter()
             outs = model.generate_batch(inputs=prompts, generation_config=gc_, **kw)
@@ -491,8 +562,15 @@ def bench_attention(backends: list[str], hq=32, hkv=8, d=128) -> None:
     kv.k[0].normal_()
     kv.v[0].normal_()
     table = torch.zeros((256, 8192), dtype=torch.int32, device=dev)
-    cases = [("decode", 1, 4096, 0), ("decode", 64, 1024, 0), ("decode", 256, 1024, 0), ("decode", 64, 4096, 0),
-             ("prefill", 1, 4096, 0), ("prefill", 8, 512, 1536), ("prefill", 32, 128, 896)]
+    cases = [
+        ("decode", 1, 4096, 0),
+        ("decode", 64, 1024, 0),
+        ("decode", 256, 1024, 0),
+        ("decode", 64, 4096, 0),
+        ("prefill", 1, 4096, 0),
+        ("prefill", 8, 512, 1536),
+        ("prefill", 32, 128, 896),
+    ]
     out = {}
     for backend_name in backends:
         backend = create_backend(backend_name, kv, hq)
@@ -509,20 +587,28 @@ def bench_attention(backends: list[str], hq=32, hkv=8, d=128) -> None:
             batch = ForwardBatch(
                 ForwardMode.DECODE if mode == "decode" else ForwardMode.EXTEND,
                 torch.zeros(t, dtype=torch.long, device=dev),
-                torch.arange(pre, total, device=dev).repeat(bs), loc,
-                torch.arange(bs, device=dev), torch.full((bs,), total, device=dev), [total] * bs, [pre] * bs,
-                [new_tok] * bs, table)
+                torch.arange(pre, total, device=dev).repeat(bs),
+                loc,
+                torch.arange(bs, device=dev),
+                torch.full((bs,), total, device=dev),
+                [total] * bs,
+                [pre] * bs,
+                [new_tok] * bs,
+                table,
+            )
             q = torch.randn(t, hq, d, dtype=torch.bfloat16, device=dev)
             k = torch.randn(t, hkv, d, dtype=torch.bfloat16, device=dev)
             v = torch.randn_like(k)
             backend.init_forward_metadata(batch)
-            ms = do_bench(lambda: backend.forward(q, k, v, 0, batch, d ** -0.5), warmup=25, rep=100,
-                          return_mode="median")
+            ms = do_bench(lambda: backend.forward(q, k, v, 0, batch, d**-0.5), warmup=25, rep=100, return_mode="median")
             kv_bytes = bs * total * hkv * d * 2 * 2
             flops = 4 * bs * hq * d * (new_tok * pre + new_tok * (new_tok + 1) / 2)
             key = f"{mode} bs={bs} kv={total}" + (f" new={new_tok}" if mode == "prefill" else "")
-            out.setdefault(key, {})[backend_name] = {"us": ms * 1e3, "kv_gb_s": kv_bytes / ms / 1e6,
-                                                     "tflop_s": flops / ms / 1e9}
+            out.setdefault(key, {})[backend_name] = {
+                "us": ms * 1e3,
+                "kv_gb_s": kv_bytes / ms / 1e6,
+                "tflop_s": flops / ms / 1e9,
+            }
             log.info("attention %s %s: %.1f us", backend_name, key, ms * 1e3)
     RESULTS["attention"] = out
 
@@ -532,8 +618,10 @@ def table() -> str:
     gpu = RESULTS.get("env", {}).get("gpu")
     bw = RESULTS.get("env", {}).get("copy_bw_tb_s")
     lines.append(f"GPU {gpu}; device-to-device copy {bw:.2f} TB/s" if bw else f"GPU {gpu}")
-    lines.append("| model | decode b1 ms/token | b1 graph replay ms | roofline ms | ratio | throughput out tok/s | HF generate tok/s | "
-                 "HF generate_batch tok/s | gramserve subset tok/s | ratio vs HF generate |")
+    lines.append(
+        "| model | decode b1 ms/token | b1 graph replay ms | roofline ms | ratio | throughput out tok/s "
+        "| HF generate tok/s | HF generate_batch tok/s | gramserve subset tok/s | ratio vs HF generate |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|---|---|")
     for name in RESULTS.get("models", []):
         d = RESULTS.get("decode_b1", {}).get(name, {})
@@ -542,31 +630,44 @@ def table() -> str:
 
         def f(x, fmt="{:.0f}"):
             return fmt.format(x) if isinstance(x, (int, float)) else "-"
-        ratio = (h["gramserve_subset_tok_s"] / h["generate_tok_s"]) if "generate_tok_s" in h and \
-            "gramserve_subset_tok_s" in h else None
-        lines.append(f"| {name} | {f(d.get('ms_per_token_median'), '{:.2f}')} | {f(d.get('graph_replay_ms'), '{:.2f}')} | "
-                     f"{f(d.get('roofline_ms'), '{:.2f}')} | "
-                     f"{f(d.get('ratio_to_roofline'), '{:.2f}x')} | {f(t.get('output_tok_s'))} | "
-                     f"{f(h.get('generate_tok_s'))} | {f(h.get('generate_batch_tok_s'))} | "
-                     f"{f(h.get('gramserve_subset_tok_s'))} | {f(ratio, '{:.1f}x')} |")
+
+        ratio = (
+            (h["gramserve_subset_tok_s"] / h["generate_tok_s"])
+            if "generate_tok_s" in h and "gramserve_subset_tok_s" in h
+            else None
+        )
+        lines.append(
+            f"| {name} | {f(d.get('ms_per_token_median'), '{:.2f}')} | {f(d.get('graph_replay_ms'), '{:.2f}')} | "
+            f"{f(d.get('roofline_ms'), '{:.2f}')} | "
+            f"{f(d.get('ratio_to_roofline'), '{:.2f}x')} | {f(t.get('output_tok_s'))} | "
+            f"{f(h.get('generate_tok_s'))} | {f(h.get('generate_batch_tok_s'))} | "
+            f"{f(h.get('gramserve_subset_tok_s'))} | {f(ratio, '{:.1f}x')} |"
+        )
     g = RESULTS.get("grammar", {})
     if g:
         lines.append("")
-        lines.append("| model | batch | unconstrained tok/s | constrained tok/s | ratio (median) | ratios, all pairs | "
-                     "mask fill ms/step | step ms u / c |")
+        lines.append(
+            "| model | batch | unconstrained tok/s | constrained tok/s | ratio (median) | ratios, all pairs | "
+            "mask fill ms/step | step ms u / c |"
+        )
         lines.append("|---|---|---|---|---|---|---|---|")
         for name, rows in g.items():
             for bs, r in rows.items():
-                lines.append(f"| {name} | {bs} | {r['unconstrained']:.0f} | {r['constrained']:.0f} | {r['ratio']:.3f} | "
-                             f"{' '.join(f'{x:.2f}' for x in r.get('ratios', [r['ratio']]))} | "
-                             f"{r.get('mask_fill_ms_median', float('nan')):.2f} | "
-                             f"{r['unconstrained_step_ms']:.2f} / {r['constrained_step_ms']:.2f} |")
+                lines.append(
+                    f"| {name} | {bs} | {r['unconstrained']:.0f} | {r['constrained']:.0f} | {r['ratio']:.3f} | "
+                    f"{' '.join(f'{x:.2f}' for x in r.get('ratios', [r['ratio']]))} | "
+                    f"{r.get('mask_fill_ms_median', float('nan')):.2f} | "
+                    f"{r['unconstrained_step_ms']:.2f} / {r['constrained_step_ms']:.2f} |"
+                )
     a = RESULTS.get("attention", {})
     if a:
         backends = sorted({b for v in a.values() for b in v})
         lines.append("")
-        lines.append("| attention (32 q / 8 kv heads x 128, bf16) | " + " | ".join(f"{b} us (GB/s or TFLOP/s)"
-                                                                              for b in backends) + " |")
+        lines.append(
+            "| attention (32 q / 8 kv heads x 128, bf16) | "
+            + " | ".join(f"{b} us (GB/s or TFLOP/s)" for b in backends)
+            + " |"
+        )
         lines.append("|---|" + "---|" * len(backends))
         for key, per in a.items():
             cells = []
@@ -600,20 +701,34 @@ def main() -> None:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="default: the server's for the device")
     p.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"])
     p.add_argument("--grammar-shards", type=int, default=None, help="default: the server's for the device")
-    p.add_argument("--no-busy-poll", action="store_true",
-                   help="grammar hand-off without polling: the scheduler and the grammar workers block")
-    p.add_argument("--compare-plain", action="store_true",
-                   help="also run decode b1 and throughput with the overlap schedule off (rows '<model> plain')")
+    p.add_argument(
+        "--no-busy-poll",
+        action="store_true",
+        help="grammar hand-off without polling: the scheduler and the grammar workers block",
+    )
+    p.add_argument(
+        "--compare-plain",
+        action="store_true",
+        help="also run decode b1 and throughput with the overlap schedule off (rows '<model> plain')",
+    )
     p.add_argument("--skip", default="", help="comma list of: attention,decode,throughput,hf,grammar")
     p.add_argument("--out", default="bench_gpu.json")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script, numbers meaningless")
     p.add_argument("--grammar-batch-sizes", default="1,32,256")
-    p.add_argument("--grammar-repeats", type=int, default=5,
-                   help="unconstrained/constrained pairs per batch size; the median pair's ratio is reported")
-    p.add_argument("--profile", default="", help="write a cProfile of the scheduler at the largest grammar batch "
-                                                 "size (constrained and not) into this file")
-    p.add_argument("--no-feed-models", default="",
-                   help="grammar models whose constrained section also runs without the token feed")
+    p.add_argument(
+        "--grammar-repeats",
+        type=int,
+        default=5,
+        help="unconstrained/constrained pairs per batch size; the median pair's ratio is reported",
+    )
+    p.add_argument(
+        "--profile",
+        default="",
+        help="write a cProfile of the scheduler at the largest grammar batch size (constrained and not) into this file",
+    )
+    p.add_argument(
+        "--no-feed-models", default="", help="grammar models whose constrained section also runs without the token feed"
+    )
     args = p.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -626,10 +741,16 @@ def main() -> None:
         gpu, mem, bw = props.name, props.total_memory / 2**30, copy_bandwidth()
     else:
         gpu, mem, bw = "cpu (smoke run)", 0.0, 1e11
-    RESULTS["env"] = {"gpu": gpu, "gpu_mem_gib": mem, "torch": torch.__version__, "copy_bw_tb_s": bw / 1e12,
-                      "argv": sys.argv}
+    RESULTS["env"] = {
+        "gpu": gpu,
+        "gpu_mem_gib": mem,
+        "torch": torch.__version__,
+        "copy_bw_tb_s": bw / 1e12,
+        "argv": sys.argv,
+    }
     try:
         import flashinfer
+
         RESULTS["env"]["flashinfer"] = flashinfer.__version__
     except Exception:  # noqa: BLE001
         pass
@@ -639,6 +760,7 @@ def main() -> None:
 
     if "attention" not in skip:
         import importlib.util
+
         names = [b for b in args.attention_backends.split(",") if b == "torch" or importlib.util.find_spec(b)]
         bench_attention(names)
         save(args.out)
@@ -650,9 +772,13 @@ def main() -> None:
         reqs = workload(args.num_requests, 0, vocab)
         hf_subset = reqs[: args.hf_requests]
         hf_out = round(statistics.mean(n for _, n in reqs))
-        engine_kw = dict(attention_backend=args.attention_backend, max_running_requests=args.max_running_requests,
-                         chunked_prefill_size=args.chunked_prefill_size, cuda_graph_max_bs=args.cuda_graph_max_bs,
-                         grammar_shards=args.grammar_shards)
+        engine_kw = dict(
+            attention_backend=args.attention_backend,
+            max_running_requests=args.max_running_requests,
+            chunked_prefill_size=args.chunked_prefill_size,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            grammar_shards=args.grammar_shards,
+        )
         engine_kw = {k: v for k, v in engine_kw.items() if v is not None}  # the rest: ServerArgs' device defaults
         if args.compare_plain:
             plain = Engine(model_json, args.assets, grammar=False, overlap_schedule="off", **engine_kw)
@@ -664,11 +790,21 @@ def main() -> None:
             del plain
             RESULTS["models"].insert(RESULTS["models"].index(name), name + " plain")
             save(args.out)
-        eng = Engine(model_json, args.assets, grammar=name in args.grammar_models.split(","),
-                     busy_poll=not args.no_busy_poll, overlap_schedule=args.overlap_schedule, **engine_kw)
-        RESULTS.setdefault("engine", {})[name] = {"start_s": eng.start_seconds, **eng.info.__dict__,
-                                                  "hidden": cfg["hidden_size"], "layers": cfg["num_hidden_layers"],
-                                                  "settings": eng.config.settings.to_dict()}
+        eng = Engine(
+            model_json,
+            args.assets,
+            grammar=name in args.grammar_models.split(","),
+            busy_poll=not args.no_busy_poll,
+            overlap_schedule=args.overlap_schedule,
+            **engine_kw,
+        )
+        RESULTS.setdefault("engine", {})[name] = {
+            "start_s": eng.start_seconds,
+            **eng.info.__dict__,
+            "hidden": cfg["hidden_size"],
+            "layers": cfg["num_hidden_layers"],
+            "settings": eng.config.settings.to_dict(),
+        }
         log.info("engine %s: %s", name, RESULTS["engine"][name])
         if "decode" not in skip:
             bench_decode_b1(eng, name, bw)
@@ -684,8 +820,14 @@ def main() -> None:
         eng.close()
         del eng
         if "grammar" not in skip and name in args.no_feed_models.split(","):
-            eng = Engine(model_json, args.assets, grammar=True, token_feed=False,
-                         overlap_schedule=args.overlap_schedule, **engine_kw)
+            eng = Engine(
+                model_json,
+                args.assets,
+                grammar=True,
+                token_feed=False,
+                overlap_schedule=args.overlap_schedule,
+                **engine_kw,
+            )
             bench_grammar(eng, name + " no-feed", grammar_bs, repeats=args.grammar_repeats)
             save(args.out)
             eng.close()

@@ -31,10 +31,24 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_gpu as B  # noqa: E402
 
-KINDS = (("nvjet", "gemm"), ("gemm", "gemm"), ("cutlass", "gemm"), ("cublas", "gemm"), ("prefill", "attn_prefill"),
-         ("decode", "attn_decode"), ("rmsnorm", "norm"), ("rope", "rope"), ("silu", "silu"), ("argmax", "sampling"),
-         ("mask", "bitmask"), ("memcpy", "copy"), ("copy", "copy"), ("index", "index"), ("gather", "index"),
-         ("scatter", "index"))
+KINDS = (
+    ("nvjet", "gemm"),
+    ("gemm", "gemm"),
+    ("cutlass", "gemm"),
+    ("cublas", "gemm"),
+    ("prefill", "attn_prefill"),
+    ("decode", "attn_decode"),
+    ("rmsnorm", "norm"),
+    ("rope", "rope"),
+    ("silu", "silu"),
+    ("argmax", "sampling"),
+    ("mask", "bitmask"),
+    ("memcpy", "copy"),
+    ("copy", "copy"),
+    ("index", "index"),
+    ("gather", "index"),
+    ("scatter", "index"),
+)
 
 
 def kind(kernel: str) -> str:
@@ -72,12 +86,18 @@ def summarize(prof, wall_s: float) -> dict:
     if end is not None:
         busy += end - start
     span = spans[-1][1] - spans[0][0] if spans else 0.0
-    return {"wall_s": wall_s, "kernels": len(events), "busy_ms": busy / 1e3, "span_ms": span / 1e3,
-            "idle_ms": (span - busy) / 1e3, "gaps_over_50us": sum(1 for g in gaps if g > 50),
-            "gaps_over_50us_ms": sum(g for g in gaps if g > 50) / 1e3,
-            "gaps_around": [(k, n, round(around_ms[k], 1)) for k, n in around.most_common(12)],
-            "by_kind_ms": {k: round(v / 1e3, 3) for k, v in by_kind.most_common()},
-            "top_kernels_ms": [(k, round(v / 1e3, 3)) for k, v in by_name.most_common(25)]}
+    return {
+        "wall_s": wall_s,
+        "kernels": len(events),
+        "busy_ms": busy / 1e3,
+        "span_ms": span / 1e3,
+        "idle_ms": (span - busy) / 1e3,
+        "gaps_over_50us": sum(1 for g in gaps if g > 50),
+        "gaps_over_50us_ms": sum(g for g in gaps if g > 50) / 1e3,
+        "gaps_around": [(k, n, round(around_ms[k], 1)) for k, n in around.most_common(12)],
+        "by_kind_ms": {k: round(v / 1e3, 3) for k, v in by_kind.most_common()},
+        "top_kernels_ms": [(k, round(v / 1e3, 3)) for k, v in by_name.most_common(25)],
+    }
 
 
 def profile_throughput(assets: str, cold: bool) -> dict:
@@ -99,10 +119,12 @@ def profile_throughput(assets: str, cold: bool) -> dict:
     for kind_, _, _, dt in again["steps"]:
         steps[kind_][0] += 1
         steps[kind_][1] += dt
-    return {"tok_s_unprofiled": first["output_tokens"] / first["wall_s"],
-            "tok_s_profiled": again["output_tokens"] / again["wall_s"],
-            "steps": {k: {"count": c, "host_s": round(t, 3)} for k, (c, t) in steps.items()},
-            "cold" if cold else "decode_only": summarize(prof, again["wall_s"])}
+    return {
+        "tok_s_unprofiled": first["output_tokens"] / first["wall_s"],
+        "tok_s_profiled": again["output_tokens"] / again["wall_s"],
+        "steps": {k: {"count": c, "host_s": round(t, 3)} for k, (c, t) in steps.items()},
+        "cold" if cold else "decode_only": summarize(prof, again["wall_s"]),
+    }
 
 
 def profile_gemm(assets: str) -> dict:
@@ -113,8 +135,13 @@ def profile_gemm(assets: str) -> dict:
     h, inter = cfg["hidden_size"], cfg["intermediate_size"]
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     hd = h // heads
-    shapes = {"qkv_proj": (h, (heads + 2 * kv) * hd), "o_proj": (heads * hd, h), "gate_up_proj": (h, 2 * inter),
-              "down_proj": (inter, h), "lm_head": (h, cfg["vocab_size"])}
+    shapes = {
+        "qkv_proj": (h, (heads + 2 * kv) * hd),
+        "o_proj": (heads * hd, h),
+        "gate_up_proj": (h, 2 * inter),
+        "down_proj": (inter, h),
+        "lm_head": (h, cfg["vocab_size"]),
+    }
     out = {}
     for rows in (8192, 4096, 1024, 512, 256, 64):
         per = {}
@@ -122,8 +149,11 @@ def profile_gemm(assets: str) -> dict:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
             ms = do_bench(lambda: torch.nn.functional.linear(x, w), warmup=20, rep=100)
-            per[name] = {"us": round(ms * 1e3, 1), "tflops": round(2 * rows * k * n / ms / 1e9, 1),
-                         "weight_gbs": round(n * k * 2 / ms / 1e6, 1)}
+            per[name] = {
+                "us": round(ms * 1e3, 1),
+                "tflops": round(2 * rows * k * n / ms / 1e9, 1),
+                "weight_gbs": round(n * k * 2 / ms / 1e6, 1),
+            }
         layer_ms = sum(v["us"] for k_, v in per.items() if k_ != "lm_head") / 1e3
         flops = 2 * rows * sum(k * n for k_, (k, n) in shapes.items() if k_ != "lm_head")
         per["layer"] = {"us": round(layer_ms * 1e3, 1), "tflops": round(flops / layer_ms / 1e9, 1)}
@@ -150,11 +180,15 @@ def profile_b1(assets: str, model: str, tokens: int = 50) -> dict:
     per_token = {k: round(v * 1e3 / tokens, 1) for k, v in summary["by_kind_ms"].items()}  # us
     wbytes = B.weight_bytes_per_token(eng.sched.runner)
     eng.close()
-    return {"copy_tb_s": bw / 1e12, "kernels_per_token": summary["kernels"] / tokens,
-            "busy_us_per_token": round(summary["busy_ms"] * 1e3 / tokens, 1),
-            "span_us_per_token": round(summary["span_ms"] * 1e3 / tokens, 1),
-            "weights_at_copy_bw_us": round(wbytes / bw * 1e6, 1), "us_per_token_by_kind": per_token,
-            "top_kernels_us_per_token": [(k, round(v * 1e3 / tokens, 1)) for k, v in summary["top_kernels_ms"]]}
+    return {
+        "copy_tb_s": bw / 1e12,
+        "kernels_per_token": summary["kernels"] / tokens,
+        "busy_us_per_token": round(summary["busy_ms"] * 1e3 / tokens, 1),
+        "span_us_per_token": round(summary["span_ms"] * 1e3 / tokens, 1),
+        "weights_at_copy_bw_us": round(wbytes / bw * 1e6, 1),
+        "us_per_token_by_kind": per_token,
+        "top_kernels_us_per_token": [(k, round(v * 1e3 / tokens, 1)) for k, v in summary["top_kernels_ms"]],
+    }
 
 
 def profile_grammar(assets: str, bs: int = 256) -> dict:
@@ -168,8 +202,7 @@ def profile_grammar(assets: str, bs: int = 256) -> dict:
     for constrained in (False, True):
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             res = B._grammar_pass(eng, "1b", bs, constrained, 96, rng)
-        out["constrained" if constrained else "unconstrained"] = {"step_ms": res["step_ms"],
-                                                                 **summarize(prof, 0.0)}
+        out["constrained" if constrained else "unconstrained"] = {"step_ms": res["step_ms"], **summarize(prof, 0.0)}
     eng.close()
     return out
 

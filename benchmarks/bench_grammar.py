@@ -145,8 +145,11 @@ def main(argv: list[str] | None = None) -> int:
     vocab_size = len(tokenizer) + args.extra_vocab
     options = GrammarOptions(max_whitespace=None if args.max_whitespace < 0 else args.max_whitespace)
     names = args.backends or list(BACKEND_NAMES)
-    print(f"{len(files)} schemas from {args.corpus.resolve()}, backends {', '.join(names)}, vocab_size {vocab_size}, "
-          f"compile limit {args.timeout:g} s, {os.cpu_count()} CPUs", flush=True)
+    print(
+        f"{len(files)} schemas from {args.corpus.resolve()}, backends {', '.join(names)}, vocab_size {vocab_size}, "
+        f"compile limit {args.timeout:g} s, {os.cpu_count()} CPUs",
+        flush=True,
+    )
 
     rows = []
     for name in names:
@@ -158,8 +161,18 @@ def main(argv: list[str] | None = None) -> int:
             if not args.quiet and (done[0] % 50 == 0 or done[0] == len(files)):
                 print(f"  {name}: {done[0]}/{len(files)} ({time.monotonic() - t0:.0f} s)", flush=True)
 
-        results = run_corpus(name, tokenizer, vocab_size, eos, options, files, timeout_s=args.timeout,
-                             time_masks=True, max_instances=args.max_instances, progress=progress)
+        results = run_corpus(
+            name,
+            tokenizer,
+            vocab_size,
+            eos,
+            options,
+            files,
+            timeout_s=args.timeout,
+            time_masks=True,
+            max_instances=args.max_instances,
+            progress=progress,
+        )
         rows.append(summarize(name, results, time.monotonic() - t0, args.timeout))
 
     print()

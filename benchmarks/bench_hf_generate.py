@@ -120,17 +120,19 @@ def format_table(results: list[HFResult]) -> str:
     cols = ["batch", "in", "out", "latency s", "out tok/s", "total tok/s", "ms/step", "prefill ms", "decode ms/tok"]
     rows = []
     for r in results:
-        rows.append([
-            str(r.batch_size),
-            str(r.input_len),
-            str(r.output_len),
-            f"{r.mean_latency_s:.3f}",
-            f"{r.output_throughput:.1f}",
-            f"{r.total_token_throughput:.1f}",
-            f"{r.step_latency_ms:.2f}",
-            "-" if r.prefill_s is None else f"{r.prefill_s * 1000:.1f}",
-            "-" if r.decode_step_ms is None else f"{r.decode_step_ms:.2f}",
-        ])
+        rows.append(
+            [
+                str(r.batch_size),
+                str(r.input_len),
+                str(r.output_len),
+                f"{r.mean_latency_s:.3f}",
+                f"{r.output_throughput:.1f}",
+                f"{r.total_token_throughput:.1f}",
+                f"{r.step_latency_ms:.2f}",
+                "-" if r.prefill_s is None else f"{r.prefill_s * 1000:.1f}",
+                "-" if r.decode_step_ms is None else f"{r.decode_step_ms:.2f}",
+            ]
+        )
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
     line = "  ".join(c.rjust(w) for c, w in zip(cols, widths))
     out = ["", " HF generate baseline ".center(len(line), "="), line, "-" * len(line)]
@@ -141,7 +143,9 @@ def format_table(results: list[HFResult]) -> str:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--model-dir", default=None, help="HF model folder; default: gramserve's default model (cached)")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="one or more batch sizes")
     p.add_argument("--input-len", type=int, default=256)

@@ -133,8 +133,11 @@ def print_table(results: list[Result], modes: list[str]) -> None:
     rows = [head]
     for r in results:
         serial = r.fill_ms["serial"]
-        rows.append([r.backend, str(r.batch), f"{r.accept_ms:.3f}"] + [f"{r.fill_ms[m]:.3f}" for m in modes]
-                    + [f"{serial / r.fill_ms[m]:.2f}" for m in modes if m != "serial"])
+        rows.append(
+            [r.backend, str(r.batch), f"{r.accept_ms:.3f}"]
+            + [f"{r.fill_ms[m]:.3f}" for m in modes]
+            + [f"{serial / r.fill_ms[m]:.2f}" for m in modes if m != "serial"]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     for i, row in enumerate(rows):
         print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))))
@@ -149,10 +152,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", nargs="+", default=["xgrammar", "llguidance", "outlines"])
     p.add_argument("--batch-sizes", nargs="+", type=int, default=[1, 16, 64, 256])
     p.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="FillPool sizes to compare with serial")
-    p.add_argument("--min-batch-rows", type=int, default=None,
-                   help="FillPool.min_batch_rows (default: the server's); 1 batches even a single row")
-    p.add_argument("--parallel-rows", type=int, default=None,
-                   help="FillPool.parallel_rows (default: the server's): smaller batches run on one thread")
+    p.add_argument(
+        "--min-batch-rows",
+        type=int,
+        default=None,
+        help="FillPool.min_batch_rows (default: the server's); 1 batches even a single row",
+    )
+    p.add_argument(
+        "--parallel-rows",
+        type=int,
+        default=None,
+        help="FillPool.parallel_rows (default: the server's): smaller batches run on one thread",
+    )
     p.add_argument("--schemas", type=int, default=24, help="distinct corpus schemas per backend")
     p.add_argument("--max-schema-bytes", type=int, default=4000)
     p.add_argument("--steps", type=int, default=40)
@@ -177,20 +188,29 @@ def main(argv: list[str] | None = None) -> int:
         if args.parallel_rows is not None:
             pool.parallel_rows = args.parallel_rows
         modes[f"t{n}"] = pool
-    print(f"{platform.processor() or platform.machine()}, {available_cores()} cores available, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; vocab {len(tokenizer)}; "
-          f"FillPool {next((m for m in modes.values() if m), None)}", flush=True)
+    print(
+        f"{platform.processor() or platform.machine()}, {available_cores()} cores available, load average "
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; vocab {len(tokenizer)}; "
+        f"FillPool {next((m for m in modes.values() if m), None)}",
+        flush=True,
+    )
     results = []
     for name in args.backends:
-        backend = create_backend(name, tokenizer, len(tokenizer), [tokenizer.eos_token_id],
-                                 GrammarOptions(max_whitespace=2, strict_json=True))
+        backend = create_backend(
+            name,
+            tokenizer,
+            len(tokenizer),
+            [tokenizer.eos_token_id],
+            GrammarOptions(max_whitespace=2, strict_json=True),
+        )
         t0 = time.monotonic()
         cases = load_cases(backend, tokenizer, args.corpus, args.schemas, args.max_schema_bytes)
         print(f"{name}: {len(cases)} schemas compiled in {time.monotonic() - t0:.1f} s", flush=True)
         for batch in args.batch_sizes:
             results.append(run_batch(backend, cases, batch, modes, args.steps, args.warmup, seed=batch))
-            print(f"  batch {batch}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in results[-1].fill_ms.items()),
-                  flush=True)
+            print(
+                f"  batch {batch}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in results[-1].fill_ms.items()), flush=True
+            )
     print()
     print_table(results, list(modes))
     if args.output_json:

@@ -46,10 +46,15 @@ if BENCH_DIR not in sys.path:
     sys.path.insert(0, BENCH_DIR)
 
 import httpx  # noqa: E402
-
 from bench_serving import _short_error, compute_stats, iter_sse_data, percentile  # noqa: E402
 from run_cpu_suite import (  # noqa: E402
-    REPO_ROOT, Server, cpu_info, free_port, output_prefix, split_server_args, tail,
+    REPO_ROOT,
+    Server,
+    cpu_info,
+    free_port,
+    output_prefix,
+    split_server_args,
+    tail,
 )
 
 MODES = ("cache_on", "cache_off")
@@ -98,8 +103,10 @@ def build_workload(args: argparse.Namespace) -> tuple[list[PrefixRequest], list[
         pairs = [(g, i) for i in range(args.prompts_per_group) for g in range(args.num_groups)]
     elif args.order == "random":
         random.Random(args.seed + 3).shuffle(pairs)
-    reqs = [PrefixRequest(idx=k, group=g, index_in_group=i, prompt_ids=per_group[g][i], output_len=args.output_len)
-            for k, (g, i) in enumerate(pairs)]
+    reqs = [
+        PrefixRequest(idx=k, group=g, index_in_group=i, prompt_ids=per_group[g][i], output_len=args.output_len)
+        for k, (g, i) in enumerate(pairs)
+    ]
 
     # Warm-up: same total length, different seed, and a first token no group starts with, so that it can
     # never give a group a cache hit (the radix cache matches from the first token).
@@ -128,8 +135,16 @@ async def server_info(http: httpx.AsyncClient, base_url: str) -> Optional[dict[s
         return None
 
 
-async def send_request(http: httpx.AsyncClient, url: str, model: str, prompt_ids: list[int], output_len: int,
-                       res: PrefixResult, t0: float, timeout: float) -> PrefixResult:
+async def send_request(
+    http: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt_ids: list[int],
+    output_len: int,
+    res: PrefixResult,
+    t0: float,
+    timeout: float,
+) -> PrefixResult:
     body = {
         "model": model,
         "prompt": prompt_ids,
@@ -190,16 +205,21 @@ async def send_request(http: httpx.AsyncClient, url: str, model: str, prompt_ids
     return res
 
 
-async def run_workload(base_url: str, reqs: list[PrefixRequest], warm: list[int], args: argparse.Namespace,
-                       ) -> tuple[list[PrefixResult], float, PrefixResult, Optional[dict], Optional[dict]]:
+async def run_workload(
+    base_url: str,
+    reqs: list[PrefixRequest],
+    warm: list[int],
+    args: argparse.Namespace,
+) -> tuple[list[PrefixResult], float, PrefixResult, Optional[dict], Optional[dict]]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 30.0))
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as http:
         model = await fetch_model(http, base_url)
         url = base_url + "/v1/completions"
         print(f"[prefix] warm-up request ({len(warm)} prompt tokens, no shared prefix)", file=sys.stderr, flush=True)
-        wres = await send_request(http, url, model, warm, args.output_len, PrefixResult(-1, -1, -1),
-                                  time.perf_counter(), args.timeout)
+        wres = await send_request(
+            http, url, model, warm, args.output_len, PrefixResult(-1, -1, -1), time.perf_counter(), args.timeout
+        )
         if not wres.success:
             raise RuntimeError(f"warm-up request failed: {wres.error}")
         info_before = await server_info(http, base_url)
@@ -209,11 +229,23 @@ async def run_workload(base_url: str, reqs: list[PrefixRequest], warm: list[int]
         async def one(r: PrefixRequest, t0: float) -> PrefixResult:
             nonlocal done
             async with sem:
-                res = await send_request(http, url, model, r.prompt_ids, r.output_len,
-                                         PrefixResult(r.idx, r.group, r.index_in_group), t0, args.timeout)
+                res = await send_request(
+                    http,
+                    url,
+                    model,
+                    r.prompt_ids,
+                    r.output_len,
+                    PrefixResult(r.idx, r.group, r.index_in_group),
+                    t0,
+                    args.timeout,
+                )
             done += 1
-            print(f"\r[prefix]   {done}/{len(reqs)} done", end="\n" if done == len(reqs) else "",
-                  file=sys.stderr, flush=True)
+            print(
+                f"\r[prefix]   {done}/{len(reqs)} done",
+                end="\n" if done == len(reqs) else "",
+                file=sys.stderr,
+                flush=True,
+            )
             return res
 
         print(f"[prefix] {len(reqs)} requests at max concurrency {args.max_concurrency}", file=sys.stderr, flush=True)
@@ -231,8 +263,14 @@ def p50_ms(values_s: list[float]) -> Optional[float]:
     return percentile(sorted(v * 1000 for v in values_s), 50) if values_s else None
 
 
-def summarize(mode: str, results: list[PrefixResult], duration: float, args: argparse.Namespace,
-              info_before: Optional[dict], info_after: Optional[dict]) -> dict[str, Any]:
+def summarize(
+    mode: str,
+    results: list[PrefixResult],
+    duration: float,
+    args: argparse.Namespace,
+    info_before: Optional[dict],
+    info_after: Optional[dict],
+) -> dict[str, Any]:
     ok = [r for r in results if r.success]
     errors: dict[str, int] = {}
     for r in results:
@@ -248,9 +286,10 @@ def summarize(mode: str, results: list[PrefixResult], duration: float, args: arg
     prefix_stats = None
     if info_before and info_after:
         b, a = info_before.get("prefix_cache") or {}, info_after.get("prefix_cache") or {}
-        prefix_stats = {"enabled": a.get("enabled"),
-                        **{k: a[k] - b.get(k, 0) for k in a if isinstance(a[k], (int, float))
-                           and not isinstance(a[k], bool)}}
+        prefix_stats = {
+            "enabled": a.get("enabled"),
+            **{k: a[k] - b.get(k, 0) for k in a if isinstance(a[k], (int, float)) and not isinstance(a[k], bool)},
+        }
     return {
         "mode": mode,
         "num_requests": len(results),
@@ -281,8 +320,9 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 
 
-def compare(on: dict[str, Any], off: dict[str, Any], res_on: list[PrefixResult], res_off: list[PrefixResult],
-            target: float) -> dict[str, Any]:
+def compare(
+    on: dict[str, Any], off: dict[str, Any], res_on: list[PrefixResult], res_off: list[PrefixResult], target: float
+) -> dict[str, Any]:
     """cache-off / cache-on ratios. The target compares the requests that hit the cache in the cache-on run
     with the very same requests (same prompt) in the cache-off run."""
     hit_idx = {r.idx for r in res_on if r.success and r.cached_tokens > 0}
@@ -299,8 +339,7 @@ def compare(on: dict[str, Any], off: dict[str, Any], res_on: list[PrefixResult],
         "cache_off_ttft_p50_ms_same_requests": off_same_p50,
         "cached_requests_compared": len(off_same),
         "ttft_p50_cached_off_over_on": cached_ratio,
-        "ttft_p50_first_over_cached_in_cache_on_run": ratio(on["ttft_p50_ms_first_of_group"],
-                                                            on["ttft_p50_ms_cached"]),
+        "ttft_p50_first_over_cached_in_cache_on_run": ratio(on["ttft_p50_ms_first_of_group"], on["ttft_p50_ms_cached"]),
         "target": target,
         "target_met": None if cached_ratio is None else cached_ratio >= target,
     }
@@ -350,8 +389,12 @@ def build_markdown(meta: dict[str, Any], modes: dict[str, dict[str, Any]], cmp: 
         ("duration (s)", lambda d: d["duration_s"], ".2f", None),
         ("request throughput (req/s)", lambda d: d["request_throughput"], ".3f", "request_throughput_off_over_on"),
         ("output throughput (tok/s)", lambda d: d["output_throughput"], ".1f", "output_throughput_off_over_on"),
-        ("total throughput (tok/s)", lambda d: d["total_token_throughput"], ".1f",
-         "total_token_throughput_off_over_on"),
+        (
+            "total throughput (tok/s)",
+            lambda d: d["total_token_throughput"],
+            ".1f",
+            "total_token_throughput_off_over_on",
+        ),
         ("TTFT mean (ms)", lambda d: d["ttft_ms"]["mean"], ".1f", "ttft_mean_off_over_on"),
         ("TTFT p50 (ms)", lambda d: d["ttft_ms"]["median"], ".1f", "ttft_p50_off_over_on"),
         ("TTFT p90 (ms)", lambda d: d["ttft_ms"]["p90"], ".1f", "ttft_p90_off_over_on"),
@@ -369,28 +412,38 @@ def build_markdown(meta: dict[str, Any], modes: dict[str, dict[str, Any]], cmp: 
     if on and on.get("completed"):
         n_c = on["cached_requests"]
         off_same = fmt(cmp["cache_off_ttft_p50_ms_same_requests"]) if cmp else "n/a"
-        lines.append(f"| TTFT p50 (ms), cached-prefix requests (n={n_c} in cache-on run; cache off: same requests) "
-                     f"| {fmt(on['ttft_p50_ms_cached'])} | {off_same} | "
-                     f"**{fmt(cmp['ttft_p50_cached_off_over_on'] if cmp else None, '.2f', 'x')}** |")
+        lines.append(
+            f"| TTFT p50 (ms), cached-prefix requests (n={n_c} in cache-on run; cache off: same requests) "
+            f"| {fmt(on['ttft_p50_ms_cached'])} | {off_same} | "
+            f"**{fmt(cmp['ttft_p50_cached_off_over_on'] if cmp else None, '.2f', 'x')}** |"
+        )
         first_on = on["ttft_p50_ms_first_of_group"]
         first_off = off["ttft_p50_ms_first_of_group"] if off and off.get("completed") else None
-        lines.append(f"| TTFT p50 (ms), first request of each group (n={on['first_of_group_requests']}) | "
-                     f"{fmt(first_on)} | {fmt(first_off)} | {fmt(ratio(first_off, first_on), '.2f', 'x')} |")
+        lines.append(
+            f"| TTFT p50 (ms), first request of each group (n={on['first_of_group_requests']}) | "
+            f"{fmt(first_on)} | {fmt(first_off)} | {fmt(ratio(first_off, first_on), '.2f', 'x')} |"
+        )
         if on["other_uncached_requests"]:
-            lines.append(f"| TTFT p50 (ms), later requests without a cache hit (n={on['other_uncached_requests']}, "
-                         f"cache-on run) | {fmt(on['ttft_p50_ms_other_uncached'])} | | |")
+            lines.append(
+                f"| TTFT p50 (ms), later requests without a cache hit (n={on['other_uncached_requests']}, "
+                f"cache-on run) | {fmt(on['ttft_p50_ms_other_uncached'])} | | |"
+            )
     lines.append("")
     if cmp:
         verdict = {True: "MET", False: "NOT MET", None: "n/a (no cached requests)"}[cmp["target_met"]]
-        lines.append(f"- target (TTFT of cached-prefix requests >= {cmp['target']:g}x lower than the same requests "
-                     f"without the cache): **{fmt(cmp['ttft_p50_cached_off_over_on'], '.2f', 'x')} -> {verdict}**; "
-                     f"within the cache-on run, first-of-group / cached TTFT p50 = "
-                     f"{fmt(cmp['ttft_p50_first_over_cached_in_cache_on_run'], '.2f', 'x')}")
+        lines.append(
+            f"- target (TTFT of cached-prefix requests >= {cmp['target']:g}x lower than the same requests "
+            f"without the cache): **{fmt(cmp['ttft_p50_cached_off_over_on'], '.2f', 'x')} -> {verdict}**; "
+            f"within the cache-on run, first-of-group / cached TTFT p50 = "
+            f"{fmt(cmp['ttft_p50_first_over_cached_in_cache_on_run'], '.2f', 'x')}"
+        )
     for mode, d in modes.items():
         ps = d.get("server_prefix_cache_delta")
         if ps:
-            lines.append(f"- {mode} server prefix cache during the run: enabled={ps.get('enabled')}, "
-                         f"hit_tokens={ps.get('hit_tokens')}, query_tokens={ps.get('query_tokens')}")
+            lines.append(
+                f"- {mode} server prefix cache during the run: enabled={ps.get('enabled')}, "
+                f"hit_tokens={ps.get('hit_tokens')}, query_tokens={ps.get('query_tokens')}"
+            )
     lines.append("- off / on: for TTFT > 1 means the cache helps; for throughput < 1 means the cache helps.")
     for note in meta.get("notes", []):
         lines.append(f"- note: {note}")
@@ -401,16 +454,21 @@ def build_markdown(meta: dict[str, Any], modes: dict[str, dict[str, Any]], cmp: 
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--num-groups", type=int, default=4, help="groups, each with its own system prompt")
     p.add_argument("--prompts-per-group", type=int, default=8, help="requests per group")
     p.add_argument("--system-prompt-len", type=int, default=1024, help="shared prefix length, tokens")
     p.add_argument("--question-len", type=int, default=32, help="per-request suffix length, tokens")
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--max-concurrency", type=int, default=4)
-    p.add_argument("--order", default="grouped", choices=["grouped", "interleaved", "random"],
-                   help="send order: group after group (as SGLang's dataset), round-robin over groups, or shuffled")
+    p.add_argument(
+        "--order",
+        default="grouped",
+        choices=["grouped", "interleaved", "random"],
+        help="send order: group after group (as SGLang's dataset), round-robin over groups, or shuffled",
+    )
     p.add_argument("--vocab-low", type=int, default=100, help="lowest random token id (skips special tokens)")
     p.add_argument("--vocab-high", type=int, default=40000, help="random token ids are < this")
     p.add_argument("--seed", type=int, default=0)
@@ -422,8 +480,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     p.add_argument("--timeout", type=float, default=1800.0, help="per-request limit in seconds")
     args = p.parse_args(argv)
-    for name in ("num_groups", "prompts_per_group", "system_prompt_len", "question_len", "output_len",
-                 "max_concurrency"):
+    for name in (
+        "num_groups",
+        "prompts_per_group",
+        "system_prompt_len",
+        "question_len",
+        "output_len",
+        "max_concurrency",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.vocab_low < args.vocab_high:
@@ -450,9 +514,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         "command": shlex.join([sys.executable, *sys.argv]),
         "machine": cpu_info(),
         "server_args": args.server_args,
-        "workload": {k: getattr(args, k) for k in ("num_groups", "prompts_per_group", "system_prompt_len",
-                                                     "question_len", "output_len", "max_concurrency", "order",
-                                                     "seed", "vocab_low", "vocab_high")},
+        "workload": {
+            k: getattr(args, k)
+            for k in (
+                "num_groups",
+                "prompts_per_group",
+                "system_prompt_len",
+                "question_len",
+                "output_len",
+                "max_concurrency",
+                "order",
+                "seed",
+                "vocab_low",
+                "vocab_high",
+            )
+        },
         "notes": notes,
     }
     modes: dict[str, dict[str, Any]] = {}
@@ -467,29 +543,42 @@ def main(argv: Optional[list[str]] = None) -> int:
             results, duration, wres, ib, ia = asyncio.run(run_workload(server.base_url, reqs, warm, args))
             raw[mode] = results
             entry.update(summarize(mode, results, duration, args, ib, ia))
-            entry["warmup"] = {"ttft_ms": wres.ttft * 1000, "latency_ms": wres.latency * 1000,
-                               "cached_tokens": wres.cached_tokens}
+            entry["warmup"] = {
+                "ttft_ms": wres.ttft * 1000,
+                "latency_ms": wres.latency * 1000,
+                "cached_tokens": wres.cached_tokens,
+            }
             if entry["failed"]:
                 rc = 1
-                notes.append(f"{mode}: {entry['failed']} of {entry['num_requests']} requests failed: "
-                             f"{next(iter(entry['errors']), '')[:160]}")
+                notes.append(
+                    f"{mode}: {entry['failed']} of {entry['num_requests']} requests failed: "
+                    f"{next(iter(entry['errors']), '')[:160]}"
+                )
             if entry["output_len_mismatches"]:
-                notes.append(f"{mode}: {entry['output_len_mismatches']} requests did not return "
-                             f"{args.output_len} tokens")
+                notes.append(
+                    f"{mode}: {entry['output_len_mismatches']} requests did not return {args.output_len} tokens"
+                )
             if mode == "cache_off" and entry["mean_cached_tokens"]:
                 notes.append("cache_off: the server still reported cached tokens")
         except (RuntimeError, httpx.HTTPError, OSError) as e:
             rc = 1
             msg = str(e).splitlines()[0].replace("; log tail:", "") if str(e) else type(e).__name__
             last = [ln for ln in tail(server.log_path, 5).splitlines() if ln.strip()]
-            notes.append(f"{mode}: {msg}" + (f"; last log line: `{last[-1].strip()[:200]}`" if last else "")
-                         + f" (log: {server.log_path})")
+            notes.append(
+                f"{mode}: {msg}"
+                + (f"; last log line: `{last[-1].strip()[:200]}`" if last else "")
+                + f" (log: {server.log_path})"
+            )
             print(f"[prefix] {mode} error: {e}", file=sys.stderr)
             entry.update(completed=0, failed=len(reqs), error=msg)
         finally:
             server.stop()
-        entry["server"] = {"command": shlex.join(server.cmd), "log": server.log_path,
-                           "startup_s": server.startup_s, "exit_code": server.exit_code}
+        entry["server"] = {
+            "command": shlex.join(server.cmd),
+            "log": server.log_path,
+            "startup_s": server.startup_s,
+            "exit_code": server.exit_code,
+        }
         if server.sent_sigterm and server.exit_code not in (0, None):
             notes.append(f"{mode}: server exited with code {server.exit_code} after SIGTERM")
         modes[mode] = entry
@@ -499,12 +588,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     if on and off and on.get("completed") and off.get("completed"):
         cmp = compare(on, off, raw["cache_on"], raw["cache_off"], args.target)
         if cmp["target_met"] is None:
-            notes.append("no request of the cache-on run had a cache hit: a group's requests were all in flight "
-                         "together; use --prompts-per-group > --max-concurrency (with --order grouped)")
+            notes.append(
+                "no request of the cache-on run had a cache hit: a group's requests were all in flight "
+                "together; use --prompts-per-group > --max-concurrency (with --order grouped)"
+            )
 
     md = build_markdown(meta, modes, cmp)
-    record = {**meta, "results": modes, "comparison": cmp,
-              "requests": {mode: [dataclasses.asdict(r) for r in rs] for mode, rs in raw.items()}}
+    record = {
+        **meta,
+        "results": modes,
+        "comparison": cmp,
+        "requests": {mode: [dataclasses.asdict(r) for r in rs] for mode, rs in raw.items()},
+    }
     with open(prefix + ".md", "w") as f:
         f.write(md)
     with open(prefix + ".json", "w") as f:

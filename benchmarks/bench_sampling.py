@@ -26,8 +26,11 @@ from gramserve.sampling.params import SamplingParams  # noqa: E402
 from gramserve.sampling.sampler import Sampler, SamplingRow  # noqa: E402
 
 VOCAB = 128256
-CASES = {"temperature 0.8": {"temperature": 0.8}, "top_p 0.95": {"temperature": 0.8, "top_p": 0.95},
-         "top_k 50 + top_p 0.95": {"temperature": 0.8, "top_k": 50, "top_p": 0.95}}
+CASES = {
+    "temperature 0.8": {"temperature": 0.8},
+    "top_p 0.95": {"temperature": 0.8, "top_p": 0.95},
+    "top_k 50 + top_p 0.95": {"temperature": 0.8, "top_k": 50, "top_p": 0.95},
+}
 
 
 def step_ms(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], reps: int = 30) -> float:
@@ -52,10 +55,13 @@ def bench_kernel() -> dict:
         for case, kw in CASES.items():
             rows = [SamplingRow(SamplingParams(**kw), [], [], None) for _ in range(bs)]
             ms = {name: step_ms(s, logits, rows) for name, s in samplers.items()}
-            out[f"bs {bs}, {case}"] = {**{k: round(v, 3) for k, v in ms.items()},
-                                       "speedup": round(ms["torch"] / ms["flashinfer"], 1)}
-            print(f"bs {bs:5d} {case:24s} torch {ms['torch']:8.3f} ms  flashinfer {ms['flashinfer']:7.3f} ms",
-                  flush=True)
+            out[f"bs {bs}, {case}"] = {
+                **{k: round(v, 3) for k, v in ms.items()},
+                "speedup": round(ms["torch"] / ms["flashinfer"], 1),
+            }
+            print(
+                f"bs {bs:5d} {case:24s} torch {ms['torch']:8.3f} ms  flashinfer {ms['flashinfer']:7.3f} ms", flush=True
+            )
     return out
 
 

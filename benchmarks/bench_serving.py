@@ -41,7 +41,6 @@ from typing import Any, AsyncIterator, Optional
 
 import httpx
 
-
 # --------------------------------------------------------------------------- data
 
 
@@ -544,28 +543,33 @@ def build_record(args: argparse.Namespace, s: BenchmarkSummary, results: list[Re
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:30000", help="server root (without /v1)")
     p.add_argument("--model", default=None, help="model name; default: first entry of GET /v1/models")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token, if the server wants one")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=64)
-    p.add_argument("--random-range-ratio", type=float, default=1.0,
-                   help="lengths uniform in [len*ratio, len]; 1.0 = fixed lengths")
+    p.add_argument(
+        "--random-range-ratio", type=float, default=1.0, help="lengths uniform in [len*ratio, len]; 1.0 = fixed lengths"
+    )
     p.add_argument("--vocab-low", type=int, default=100, help="lowest random token id (skips special tokens)")
     p.add_argument("--vocab-high", type=int, default=40000, help="random token ids are < this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    p.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="Poisson arrival rate in req/s; inf sends all at once")
+    p.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="Poisson arrival rate in req/s; inf sends all at once"
+    )
     p.add_argument("--warmup-requests", type=int, default=1, help="sent first, not counted")
     p.add_argument("--ignore-warmup-failure", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--disable-ignore-eos", action="store_true", help="do not send ignore_eos: true")
     p.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
-    p.add_argument("--allow-missing-done", action="store_true",
-                   help="count a stream that ends without data: [DONE] as a success")
+    p.add_argument(
+        "--allow-missing-done", action="store_true", help="count a stream that ends without data: [DONE] as a success"
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="per-request limit in seconds")
     p.add_argument("--output-json", default=None, help="write the results here")
     p.add_argument("--append", action="store_true", help="append one JSON line per run (use a .jsonl path)")

@@ -13,9 +13,10 @@ For each value of ``--concurrencies`` it sends ``--num-requests`` (default ``max
 Both kinds use the same prompt text (it asks for a long JSON list), made unique per run and request so that
 no run finds another run's whole prompt in the prefix cache. Throughput = sum of ``usage.completion_tokens``
 of the successful requests / wall time of the batch. Run order, to spread the drift of a noisy machine over
-both kinds: for each concurrency, ``u, c, c, u, ...`` (``--repeats`` pairs, every other one reversed); the table shows the mean of the
-repeats and the ratio constrained / unconstrained (target >= 0.95). One unconstrained and one constrained
-warm-up request (which compiles the schema) go first. Grammar-related counters of ``GET /get_server_info``
+both kinds: for each concurrency, ``u, c, c, u, ...`` (``--repeats`` pairs, every other one reversed); the table
+shows the mean of the repeats and the ratio constrained / unconstrained (target >= 0.95). One unconstrained and
+one constrained warm-up request (which compiles the schema) go first. Grammar-related counters of
+``GET /get_server_info``
 (grammar step timing, when the server exposes it) are reported as deltas per run.
 
 The server is started and stopped with the helpers of ``run_cpu_suite.py``. A markdown table (machine, date,
@@ -46,10 +47,15 @@ if BENCH_DIR not in sys.path:
     sys.path.insert(0, BENCH_DIR)
 
 import httpx  # noqa: E402
-
 from bench_serving import _short_error, compute_stats  # noqa: E402
 from run_cpu_suite import (  # noqa: E402
-    REPO_ROOT, Server, cpu_info, free_port, output_prefix, split_server_args, tail,
+    REPO_ROOT,
+    Server,
+    cpu_info,
+    free_port,
+    output_prefix,
+    split_server_args,
+    tail,
 )
 
 DEFAULT_SCHEMA = {
@@ -58,8 +64,10 @@ DEFAULT_SCHEMA = {
     "required": ["items"],
 }
 SYSTEM_PROMPT = "You are a helpful assistant that answers with JSON only."
-USER_PROMPT = ("Request {tag}. Write a JSON object with one key, \"items\", whose value is a list of 100 different "
-               "short English words (animals, colors, foods, tools, places). Do not stop before 100 words.")
+USER_PROMPT = (
+    'Request {tag}. Write a JSON object with one key, "items", whose value is a list of 100 different '
+    "short English words (animals, colors, foods, tools, places). Do not stop before 100 words."
+)
 KINDS = ("unconstrained", "constrained")
 
 
@@ -82,16 +90,20 @@ class ChatResult:
 def request_body(kind: str, model: str, tag: str, args: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
-        "messages": [{"role": "system", "content": SYSTEM_PROMPT},
-                     {"role": "user", "content": USER_PROMPT.format(tag=tag)}],
+        "messages": [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": USER_PROMPT.format(tag=tag)},
+        ],
         "max_tokens": args.max_tokens,
         "temperature": 0.0,
     }
     if kind == "unconstrained":
         body["ignore_eos"] = True
     else:
-        body["response_format"] = {"type": "json_schema",
-                                   "json_schema": {"name": "long_list", "schema": args.schema_obj}}
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "long_list", "schema": args.schema_obj},
+        }
         if args.grammar_backend:
             body["grammar_backend"] = args.grammar_backend
     return body
@@ -173,8 +185,11 @@ def counter_delta(before: Optional[dict[str, float]], after: Optional[dict[str, 
     if not before or not after:
         return {}
     delta = {k: after[k] - before.get(k, 0) for k in after}
-    grammar = {k: v for k, v in delta.items() if ("grammar" in k.lower() or "mask" in k.lower())
-               and not k.rsplit(".", 1)[-1].startswith("num_")}
+    grammar = {
+        k: v
+        for k, v in delta.items()
+        if ("grammar" in k.lower() or "mask" in k.lower()) and not k.rsplit(".", 1)[-1].startswith("num_")
+    }
     out: dict[str, Any] = {"grammar": grammar}
     gen, steps = delta.get("stats.generation_tokens"), delta.get("stats.forward_steps")
     if gen is not None and steps:
@@ -190,8 +205,9 @@ def grammar_timing(grammar_delta: dict[str, float]) -> dict[str, float]:
 # --------------------------------------------------------------------------- runs
 
 
-async def one_batch(http: httpx.AsyncClient, base_url: str, model: str, kind: str, c: int, n: int, rep: int,
-                    args: argparse.Namespace) -> dict[str, Any]:
+async def one_batch(
+    http: httpx.AsyncClient, base_url: str, model: str, kind: str, c: int, n: int, rep: int, args: argparse.Namespace
+) -> dict[str, Any]:
     url = base_url + "/v1/chat/completions"
     sem = asyncio.Semaphore(c)
     bodies = [request_body(kind, model, f"c{c}-r{rep}-{kind[0]}-{i}", args) for i in range(n)]
@@ -212,14 +228,22 @@ async def one_batch(http: httpx.AsyncClient, base_url: str, model: str, kind: st
         if not r.success:
             errors[r.error] = errors.get(r.error, 0) + 1
     early = [r for r in ok if r.finish_reason != "length" or r.completion_tokens < args.max_tokens]
-    early_invalid = [why for r in early if kind == "constrained"
-                     and (why := check_early_output(r.content, args.schema_obj)) is not None]
+    early_invalid = [
+        why
+        for r in early
+        if kind == "constrained" and (why := check_early_output(r.content, args.schema_obj)) is not None
+    ]
     tout = sum(r.completion_tokens for r in ok)
     backends = sorted({r.grammar_backend for r in ok if r.grammar_backend})
     counters = counter_delta(before, after)
     row = {
-        "kind": kind, "concurrency": c, "rep": rep, "num_requests": n,
-        "completed": len(ok), "failed": len(results) - len(ok), "errors": errors,
+        "kind": kind,
+        "concurrency": c,
+        "rep": rep,
+        "num_requests": n,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": errors,
         "wall_s": wall,
         "completion_tokens": tout,
         "output_throughput": tout / max(wall, 1e-9),
@@ -234,9 +258,12 @@ async def one_batch(http: httpx.AsyncClient, base_url: str, model: str, kind: st
         "server_counters": counters,
         "sample_output": ok[0].content[:300] if ok else None,
     }
-    print(f"[structured] c={c} rep={rep} {kind:>13}: {tout} tokens in {wall:.2f} s = "
-          f"{row['output_throughput']:.1f} tok/s, {len(ok)}/{n} ok, {len(early)} ended early",
-          file=sys.stderr, flush=True)
+    print(
+        f"[structured] c={c} rep={rep} {kind:>13}: {tout} tokens in {wall:.2f} s = "
+        f"{row['output_throughput']:.1f} tok/s, {len(ok)}/{n} ok, {len(early)} ended early",
+        file=sys.stderr,
+        flush=True,
+    )
     return row
 
 
@@ -250,21 +277,30 @@ async def run_all(base_url: str, args: argparse.Namespace) -> tuple[list[dict[st
         warm: dict[str, Any] = {}
         for kind in KINDS:  # the constrained one also compiles (and caches) the schema
             t0 = time.perf_counter()
-            res = await send_chat(http, base_url + "/v1/chat/completions",
-                                  request_body(kind, model, f"warmup-{kind}", args), args.timeout)
+            res = await send_chat(
+                http, base_url + "/v1/chat/completions", request_body(kind, model, f"warmup-{kind}", args), args.timeout
+            )
             if not res.success:
                 raise RuntimeError(f"{kind} warm-up request failed: {res.error}")
-            warm[kind] = {"latency_ms": (time.perf_counter() - t0) * 1000, "completion_tokens": res.completion_tokens,
-                          "finish_reason": res.finish_reason, "grammar_backend": res.grammar_backend,
-                          "output": res.content[:300]}
-            print(f"[structured] warm-up {kind}: {res.completion_tokens} tokens, finish_reason "
-                  f"{res.finish_reason}, {warm[kind]['latency_ms']:.0f} ms", file=sys.stderr, flush=True)
+            warm[kind] = {
+                "latency_ms": (time.perf_counter() - t0) * 1000,
+                "completion_tokens": res.completion_tokens,
+                "finish_reason": res.finish_reason,
+                "grammar_backend": res.grammar_backend,
+                "output": res.content[:300],
+            }
+            print(
+                f"[structured] warm-up {kind}: {res.completion_tokens} tokens, finish_reason "
+                f"{res.finish_reason}, {warm[kind]['latency_ms']:.0f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
         rows = []
         for c in args.concurrency_list:
             n = args.num_requests or max(8, 2 * c)
             for rep in range(args.repeats):
                 # u c, then c u: a machine that drifts slower or faster over the run hurts both kinds alike
-                for kind in (KINDS if rep % 2 == 0 else KINDS[::-1]):
+                for kind in KINDS if rep % 2 == 0 else KINDS[::-1]:
                     rows.append(await one_batch(http, base_url, model, kind, c, n, rep, args))
     return rows, warm
 
@@ -296,12 +332,18 @@ def aggregate(rows: list[dict[str, Any]], args: argparse.Namespace) -> list[dict
             }
         u, k = entry["unconstrained"]["output_throughput_mean"], entry["constrained"]["output_throughput_mean"]
         entry["ratio_constrained_over_unconstrained"] = k / u if u and k is not None else None
-        entry["ratio_runs"] = [kr["output_throughput"] / ur["output_throughput"] if ur["output_throughput"] else None
-                               for ur, kr in zip(
-                                   [r for r in rows if r["concurrency"] == c and r["kind"] == "unconstrained"],
-                                   [r for r in rows if r["concurrency"] == c and r["kind"] == "constrained"])]
-        entry["target_met"] = None if entry["ratio_constrained_over_unconstrained"] is None else \
-            entry["ratio_constrained_over_unconstrained"] >= args.target
+        entry["ratio_runs"] = [
+            kr["output_throughput"] / ur["output_throughput"] if ur["output_throughput"] else None
+            for ur, kr in zip(
+                [r for r in rows if r["concurrency"] == c and r["kind"] == "unconstrained"],
+                [r for r in rows if r["concurrency"] == c and r["kind"] == "constrained"],
+            )
+        ]
+        entry["target_met"] = (
+            None
+            if entry["ratio_constrained_over_unconstrained"] is None
+            else entry["ratio_constrained_over_unconstrained"] >= args.target
+        )
         out.append(entry)
     return out
 
@@ -332,7 +374,8 @@ def build_markdown(meta: dict[str, Any], agg: list[dict[str, Any]], warm: dict[s
         f"- workload: chat completions, max_tokens {meta['max_tokens']}, temperature 0, not streamed; unconstrained "
         f"with ignore_eos; constrained with response_format json_schema `{json.dumps(meta['schema'])}`, grammar "
         f"backend requested: {meta['grammar_backend'] or '(server default)'}, used: {', '.join(backends) or 'n/a'}; "
-        f"order per concurrency: {' '.join(['u c', 'c u'][i % 2] for i in range(meta['repeats']))}, mean of {meta['repeats']}; "
+        f"order per concurrency: {' '.join(['u c', 'c u'][i % 2] for i in range(meta['repeats']))}, "
+        f"mean of {meta['repeats']}; "
         f"server args: `{meta['server_args'] or '(none)'}`",
         "",
         "| concurrency | requests | unconstrained tok/s | constrained tok/s | constrained / unconstrained | "
@@ -352,22 +395,27 @@ def build_markdown(meta: dict[str, Any], agg: list[dict[str, Any]], warm: dict[s
             f"**{fmt(e['ratio_constrained_over_unconstrained'], '.3f')}** "
             f"({' / '.join(fmt(x, '.3f') for x in e['ratio_runs'])}) | {verdict} | "
             f"{k['ended_early']} / {k['requests']} | "
-            f"{fmt(u['tokens_per_forward_step'], '.2f')} / {fmt(k['tokens_per_forward_step'], '.2f')} |")
+            f"{fmt(u['tokens_per_forward_step'], '.2f')} / {fmt(k['tokens_per_forward_step'], '.2f')} |"
+        )
     lines.append("")
     lines.append("- tok/s = sum of completion tokens / wall time of the batch; in parentheses: each repeat.")
     timing = {k: v for e in agg for k, v in e["constrained"]["server_grammar_timing"].items()}
     if timing:
         for e in agg:
             t = e["constrained"]["server_grammar_timing"]
-            lines.append(f"- server grammar timing, c={e['concurrency']} (sum over the constrained runs): "
-                         + ", ".join(f"{k}={v:.4g}" for k, v in sorted(t.items())))
+            lines.append(
+                f"- server grammar timing, c={e['concurrency']} (sum over the constrained runs): "
+                + ", ".join(f"{k}={v:.4g}" for k, v in sorted(t.items()))
+            )
     else:
         lines.append("- server grammar step timing: not exposed by /get_server_info")
     for kind in KINDS:
         w = warm.get(kind)
         if w:
-            lines.append(f"- warm-up {kind}: {w['completion_tokens']} tokens, finish_reason {w['finish_reason']}, "
-                         f"{w['latency_ms']:.0f} ms; output starts `{w['output'][:80]!r}`")
+            lines.append(
+                f"- warm-up {kind}: {w['completion_tokens']} tokens, finish_reason {w['finish_reason']}, "
+                f"{w['latency_ms']:.0f} ms; output starts `{w['output'][:80]!r}`"
+            )
     for note in meta.get("notes", []):
         lines.append(f"- note: {note}")
     return "\n".join(lines) + "\n"
@@ -377,18 +425,24 @@ def build_markdown(meta: dict[str, Any], agg: list[dict[str, Any]], warm: dict[s
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--concurrencies", default="1 16 64", help="space/comma separated max-concurrency values")
-    p.add_argument("--num-requests", type=int, default=None,
-                   help="requests per run (default: max(8, 2*concurrency))")
+    p.add_argument("--num-requests", type=int, default=None, help="requests per run (default: max(8, 2*concurrency))")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="u, c pairs per concurrency (mean reported)")
-    p.add_argument("--grammar-backend", default=None,
-                   help="sent as the request's grammar_backend (xgrammar, llguidance, outlines, auto); "
-                        "default: the server's")
-    p.add_argument("--schema", default=None, help="JSON schema (JSON text) of the constrained requests; "
-                   "default: an object with a required array of >= 40 strings of <= 20 characters")
+    p.add_argument(
+        "--grammar-backend",
+        default=None,
+        help="sent as the request's grammar_backend (xgrammar, llguidance, outlines, auto); default: the server's",
+    )
+    p.add_argument(
+        "--schema",
+        default=None,
+        help="JSON schema (JSON text) of the constrained requests; "
+        "default: an object with a required array of >= 40 strings of <= 20 characters",
+    )
     p.add_argument("--target", type=float, default=0.95, help="wanted constrained / unconstrained ratio")
     p.add_argument("--server-args", default="", help='passed through to "gramserve serve"')
     p.add_argument("--label", default="", help="free text, stored in the JSON and the table title")
@@ -399,7 +453,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     try:
         args.concurrency_list = [int(x) for x in args.concurrencies.replace(",", " ").split()]
     except ValueError:
-        p.error("--concurrencies must be integers, e.g. \"1 16 64\"")
+        p.error('--concurrencies must be integers, e.g. "1 16 64"')
     if not args.concurrency_list or min(args.concurrency_list) < 1:
         p.error("--concurrencies needs at least one value >= 1")
     if args.num_requests is not None and args.num_requests < 1:
@@ -448,13 +502,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         rc = 1
         msg = str(e).splitlines()[0].replace("; log tail:", "") if str(e) else type(e).__name__
         last = [ln for ln in tail(server.log_path, 5).splitlines() if ln.strip()]
-        notes.append(msg + (f"; last log line: `{last[-1].strip()[:200]}`" if last else "")
-                     + f" (log: {server.log_path})")
+        notes.append(
+            msg + (f"; last log line: `{last[-1].strip()[:200]}`" if last else "") + f" (log: {server.log_path})"
+        )
         print(f"[structured] error: {e}", file=sys.stderr)
     finally:
         server.stop()
-    meta["server"] = {"command": shlex.join(server.cmd), "log": server.log_path,
-                      "startup_s": server.startup_s, "exit_code": server.exit_code}
+    meta["server"] = {
+        "command": shlex.join(server.cmd),
+        "log": server.log_path,
+        "startup_s": server.startup_s,
+        "exit_code": server.exit_code,
+    }
     if server.sent_sigterm and server.exit_code not in (0, None):
         notes.append(f"server exited with code {server.exit_code} after SIGTERM")
 
@@ -464,17 +523,27 @@ def main(argv: Optional[list[str]] = None) -> int:
             d = e[kind]
             if d["failed"]:
                 rc = 1
-                errs = {err for r in rows if r["concurrency"] == e["concurrency"] and r["kind"] == kind
-                        for err in r["errors"]}
-                notes.append(f"c={e['concurrency']} {kind}: {d['failed']} of {d['requests']} requests failed: "
-                             f"{next(iter(errs), '')[:160]}")
+                errs = {
+                    err
+                    for r in rows
+                    if r["concurrency"] == e["concurrency"] and r["kind"] == kind
+                    for err in r["errors"]
+                }
+                notes.append(
+                    f"c={e['concurrency']} {kind}: {d['failed']} of {d['requests']} requests failed: "
+                    f"{next(iter(errs), '')[:160]}"
+                )
             if kind == "unconstrained" and d["ended_early"]:
-                notes.append(f"c={e['concurrency']}: {d['ended_early']} unconstrained requests did not run to "
-                             f"max_tokens despite ignore_eos")
+                notes.append(
+                    f"c={e['concurrency']}: {d['ended_early']} unconstrained requests did not run to "
+                    f"max_tokens despite ignore_eos"
+                )
             if kind == "constrained" and d["ended_early"]:
-                notes.append(f"c={e['concurrency']}: {d['ended_early']} of {d['requests']} constrained requests "
-                             f"ended before max_tokens ({d['early_outputs_invalid']} of them not valid for the "
-                             f"schema): the two kinds did not decode the same number of tokens per request")
+                notes.append(
+                    f"c={e['concurrency']}: {d['ended_early']} of {d['requests']} constrained requests "
+                    f"ended before max_tokens ({d['early_outputs_invalid']} of them not valid for the "
+                    f"schema): the two kinds did not decode the same number of tokens per request"
+                )
 
     md = build_markdown(meta, agg, warm)
     with open(prefix + ".md", "w") as f:

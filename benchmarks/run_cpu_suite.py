@@ -102,8 +102,17 @@ def tail(path: str, n: int = 30) -> str:
 
 class Server:
     def __init__(self, server_args: list[str], port: int, log_path: str):
-        self.cmd = [sys.executable, "-m", "gramserve", "serve", "--host", "127.0.0.1", "--port", str(port),
-                    *server_args]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "gramserve",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *server_args,
+        ]
         self.base_url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.proc: Optional[subprocess.Popen] = None
@@ -116,12 +125,19 @@ class Server:
         self._log = open(self.log_path, "w")
         t0 = time.perf_counter()
         # Own session, so that a server stuck in shutdown can be killed with its children (and only them).
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            cwd=REPO_ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         while time.perf_counter() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {self.proc.returncode} during start-up; "
-                                   f"log tail:\n{tail(self.log_path)}")
+                raise RuntimeError(
+                    f"server exited with code {self.proc.returncode} during start-up; log tail:\n{tail(self.log_path)}"
+                )
             if healthy(self.base_url):
                 self.startup_s = time.perf_counter() - t0
                 print(f"[suite] server healthy after {self.startup_s:.1f} s", file=sys.stderr, flush=True)
@@ -224,8 +240,10 @@ def build_markdown(meta: dict[str, Any], hf: Optional[dict[str, Any]], serving: 
     ]
     base = hf["output_throughput"] if hf and hf.get("ok") else None
     if hf and hf.get("ok"):
-        lines.append(f"| HF generate (batch 1) | {hf['output_throughput']:.1f} | 1.00x | "
-                     f"{fmt(hf.get('prefill_ms'))}* | {fmt(hf.get('decode_step_ms'), '.2f')}* | n/a |")
+        lines.append(
+            f"| HF generate (batch 1) | {hf['output_throughput']:.1f} | 1.00x | "
+            f"{fmt(hf.get('prefill_ms'))}* | {fmt(hf.get('decode_step_ms'), '.2f')}* | n/a |"
+        )
     else:
         lines.append(f"| HF generate (batch 1) | FAILED (rc {hf.get('rc') if hf else '?'}) | | | | |")
     for s in serving:
@@ -237,11 +255,15 @@ def build_markdown(meta: dict[str, Any], hf: Optional[dict[str, Any]], serving: 
             lines.append(f"| {name} | FAILED (rc {s.get('rc')}) | | | | |")
             continue
         ratio = f"{s['output_throughput'] / base:.2f}x" if base else "n/a"
-        lines.append(f"| {name} | {s['output_throughput']:.1f} | {ratio} | {fmt(s['ttft_p50_ms'])} | "
-                     f"{fmt(s['tpot_p50_ms'], '.2f')} | {fmt(s['itl_p99_ms'], '.2f')} |")
+        lines.append(
+            f"| {name} | {s['output_throughput']:.1f} | {ratio} | {fmt(s['ttft_p50_ms'])} | "
+            f"{fmt(s['tpot_p50_ms'], '.2f')} | {fmt(s['itl_p99_ms'], '.2f')} |"
+        )
     lines.append("")
-    lines.append("\\* HF row: TTFT = median time of a 1-token `generate` (prefill); "
-                 "TPOT = (mean latency - prefill) / (output_len - 1). gramserve rows: streamed over HTTP.")
+    lines.append(
+        "\\* HF row: TTFT = median time of a 1-token `generate` (prefill); "
+        "TPOT = (mean latency - prefill) / (output_len - 1). gramserve rows: streamed over HTTP."
+    )
     for note in meta.get("notes", []):
         lines.append(f"- note: {note}")
     return "\n".join(lines) + "\n"
@@ -273,21 +295,30 @@ def output_prefix(output_dir: str, name: str, label: str | None, started: dateti
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--concurrencies", default="1 16", help="space/comma separated max-concurrency values")
-    p.add_argument("--num-prompts", type=int, default=None,
-                   help="requests per concurrency (default: max(8, 4*concurrency))")
+    p.add_argument(
+        "--num-prompts", type=int, default=None, help="requests per concurrency (default: max(8, 4*concurrency))"
+    )
     p.add_argument("--random-input-len", type=int, default=128)
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--server-args", default="", help='passed through to "gramserve serve", e.g. "--dtype bfloat16"')
     p.add_argument("--label", default="", help="free text, stored in the JSON and the table title")
     p.add_argument("--output-dir", default=os.path.join(REPO_ROOT, "benchmarks", "results"))
     p.add_argument("--hf-iters", type=int, default=3, help="timed HF generate iterations (after one warmup)")
-    p.add_argument("--hf-model-dir", default=None,
-                   help="HF folder for the baseline (default: gramserve's default model, as the server)")
-    p.add_argument("--hf-threads", type=int, default=None,
-                   help="torch threads of the baseline (default: the server's --num-threads, else all cores)")
+    p.add_argument(
+        "--hf-model-dir",
+        default=None,
+        help="HF folder for the baseline (default: gramserve's default model, as the server)",
+    )
+    p.add_argument(
+        "--hf-threads",
+        type=int,
+        default=None,
+        help="torch threads of the baseline (default: the server's --num-threads, else all cores)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for /health")
     p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds per benchmark subprocess")
@@ -295,7 +326,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     try:
         args.concurrency_list = [int(x) for x in args.concurrencies.replace(",", " ").split()]
     except ValueError:
-        p.error("--concurrencies must be integers, e.g. \"1 16\"")
+        p.error('--concurrencies must be integers, e.g. "1 16"')
     if not args.concurrency_list or min(args.concurrency_list) < 1:
         p.error("--concurrencies needs at least one value >= 1")
     if args.num_prompts is not None and args.num_prompts < 1:
@@ -339,10 +370,24 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     # 1. HF transformers generate, batch 1 (runs alone; the server is not up yet).
     hf_json = prefix + "_hf_generate.json"
-    cmd = [py, os.path.join(BENCH_DIR, "bench_hf_generate.py"), "--batch-size", "1",
-           "--input-len", str(args.random_input_len), "--output-len", str(args.random_output_len),
-           "--iters", str(args.hf_iters), "--seed", str(args.seed), "--output-json", hf_json,
-           "--label", f"cpu_suite {run_id} hf batch 1"]
+    cmd = [
+        py,
+        os.path.join(BENCH_DIR, "bench_hf_generate.py"),
+        "--batch-size",
+        "1",
+        "--input-len",
+        str(args.random_input_len),
+        "--output-len",
+        str(args.random_output_len),
+        "--iters",
+        str(args.hf_iters),
+        "--seed",
+        str(args.seed),
+        "--output-json",
+        hf_json,
+        "--label",
+        f"cpu_suite {run_id} hf batch 1",
+    ]
     if args.hf_model_dir:
         cmd += ["--model-dir", args.hf_model_dir]
     if hf_threads:
@@ -352,9 +397,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     hf: dict[str, Any] = {"rc": rc, "ok": False, "json": hf_json if rec else None}
     if rec and rec.get("results"):
         r = rec["results"][0]
-        hf.update(ok=True, output_throughput=r["output_throughput"],
-                  prefill_ms=None if r.get("prefill_s") is None else r["prefill_s"] * 1000,
-                  decode_step_ms=r.get("decode_step_ms"), step_latency_ms=r.get("step_latency_ms"))
+        hf.update(
+            ok=True,
+            output_throughput=r["output_throughput"],
+            prefill_ms=None if r.get("prefill_s") is None else r["prefill_s"] * 1000,
+            decode_step_ms=r.get("decode_step_ms"),
+            step_latency_ms=r.get("step_latency_ms"),
+        )
         if not r.get("generated_lengths_ok", True):
             notes.append("HF generate did not produce exactly the asked output length")
     else:
@@ -368,25 +417,58 @@ def main(argv: Optional[list[str]] = None) -> int:
         for c in args.concurrency_list:
             n = args.num_prompts or max(8, 4 * c)
             out_json = prefix + f"_serving_c{c}.json"
-            cmd = [py, os.path.join(BENCH_DIR, "bench_serving.py"), "--base-url", server.base_url,
-                   "--num-prompts", str(n), "--max-concurrency", str(c), "--request-rate", "inf",
-                   "--random-input-len", str(args.random_input_len),
-                   "--random-output-len", str(args.random_output_len), "--random-range-ratio", "1.0",
-                   "--temperature", "0", "--seed", str(args.seed), "--output-json", out_json,
-                   "--label", f"cpu_suite {run_id} c={c}"]
+            cmd = [
+                py,
+                os.path.join(BENCH_DIR, "bench_serving.py"),
+                "--base-url",
+                server.base_url,
+                "--num-prompts",
+                str(n),
+                "--max-concurrency",
+                str(c),
+                "--request-rate",
+                "inf",
+                "--random-input-len",
+                str(args.random_input_len),
+                "--random-output-len",
+                str(args.random_output_len),
+                "--random-range-ratio",
+                "1.0",
+                "--temperature",
+                "0",
+                "--seed",
+                str(args.seed),
+                "--output-json",
+                out_json,
+                "--label",
+                f"cpu_suite {run_id} c={c}",
+            ]
             rc = run_child(cmd, args.run_timeout)
             rec = load_json(out_json) if rc == 0 else None
-            row: dict[str, Any] = {"concurrency": c, "num_prompts": n, "rc": rc, "ok": False,
-                                   "json": out_json if rec else None}
+            row: dict[str, Any] = {
+                "concurrency": c,
+                "num_prompts": n,
+                "rc": rc,
+                "ok": False,
+                "json": out_json if rec else None,
+            }
             if rec:
                 s = rec["summary"]
-                row.update(ok=True, output_throughput=s["output_throughput"], ttft_p50_ms=s["ttft_ms"]["median"],
-                           tpot_p50_ms=s["tpot_ms"]["median"], itl_p99_ms=s["itl_ms"]["p99"],
-                           failed=s["failed"], output_len_mismatches=s["output_len_mismatches"],
-                           mean_concurrency=s["mean_concurrency"])
+                row.update(
+                    ok=True,
+                    output_throughput=s["output_throughput"],
+                    ttft_p50_ms=s["ttft_ms"]["median"],
+                    tpot_p50_ms=s["tpot_ms"]["median"],
+                    itl_p99_ms=s["itl_ms"]["p99"],
+                    failed=s["failed"],
+                    output_len_mismatches=s["output_len_mismatches"],
+                    mean_concurrency=s["mean_concurrency"],
+                )
                 if s["failed"]:
-                    notes.append(f"c={c}: {s['failed']} of {s['num_prompts']} requests failed: "
-                                 f"{next(iter(s['errors']), '')[:120]}")
+                    notes.append(
+                        f"c={c}: {s['failed']} of {s['num_prompts']} requests failed: "
+                        f"{next(iter(s['errors']), '')[:120]}"
+                    )
                 if s["output_len_mismatches"]:
                     notes.append(f"c={c}: {s['output_len_mismatches']} requests had a different output length")
             else:
@@ -395,26 +477,42 @@ def main(argv: Optional[list[str]] = None) -> int:
     except RuntimeError as e:
         print(f"[suite] error: {e}", file=sys.stderr)
         last = [ln for ln in tail(server.log_path, 5).splitlines() if ln.strip()]
-        notes.append(str(e).splitlines()[0].replace("; log tail:", "")
-                     + (f"; last log line: `{last[-1].strip()[:200]}`" if last else "")
-                     + f" (log: {server.log_path})")
+        notes.append(
+            str(e).splitlines()[0].replace("; log tail:", "")
+            + (f"; last log line: `{last[-1].strip()[:200]}`" if last else "")
+            + f" (log: {server.log_path})"
+        )
         rc_all = 1
     finally:
         server.stop()
-    meta["server"] = {"command": shlex.join(server.cmd), "log": server.log_path,
-                      "startup_s": server.startup_s, "exit_code": server.exit_code}
+    meta["server"] = {
+        "command": shlex.join(server.cmd),
+        "log": server.log_path,
+        "startup_s": server.startup_s,
+        "exit_code": server.exit_code,
+    }
     if server.sent_sigterm and server.exit_code not in (0, None):
         notes.append(f"server exited with code {server.exit_code} after SIGTERM")
-    for c in args.concurrency_list[len(serving):]:
-        serving.append({"concurrency": c, "num_prompts": args.num_prompts or max(8, 4 * c), "rc": None, "ok": False,
-                        "not_run": True})
+    for c in args.concurrency_list[len(serving) :]:
+        serving.append(
+            {
+                "concurrency": c,
+                "num_prompts": args.num_prompts or max(8, 4 * c),
+                "rc": None,
+                "ok": False,
+                "not_run": True,
+            }
+        )
 
     # 3. Report: markdown (printed last) + one JSON with everything, next to the raw files.
     md = build_markdown(meta, hf, serving)
     with open(prefix + ".md", "w") as f:
         f.write(md)
-    suite = {**meta, "hf_generate": {**hf, "raw": load_json(hf_json)},
-             "serving": [{**s, "raw": load_json(s["json"]) if s.get("json") else None} for s in serving]}
+    suite = {
+        **meta,
+        "hf_generate": {**hf, "raw": load_json(hf_json)},
+        "serving": [{**s, "raw": load_json(s["json"]) if s.get("json") else None} for s in serving],
+    }
     with open(prefix + ".json", "w") as f:
         json.dump(suite, f, indent=2, default=str)
         f.write("\n")

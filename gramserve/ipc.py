@@ -14,7 +14,7 @@ import time
 import zmq
 import zmq.asyncio
 
-# Endpoint names (files inside ServerArgs.ipc_dir).
+# Endpoint names (files inside LaunchInfo.ipc_dir).
 SCHEDULER_IN = "scheduler"
 DETOKENIZER_IN = "detokenizer"
 TOKENIZER_MANAGER_IN = "tokenizer_manager"
@@ -22,7 +22,7 @@ SCHEDULER_GRAMMAR_IN = "scheduler_grammar"  # the scheduler's second inbox: gram
 
 
 def grammar_inbox(shard: int) -> str:
-    """The inbox of grammar worker `shard` (0 .. ServerArgs.grammar_shards - 1)."""
+    """The inbox of grammar worker `shard` (0 .. Settings.grammar_shards - 1)."""
     return f"grammar{shard}"
 
 

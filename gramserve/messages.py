@@ -1,10 +1,10 @@
 """Typed messages exchanged between the processes over ZeroMQ.
 
-    TokenizerManager --TokenizedGenerateReq / AbortReq / ControlReq--> Scheduler
-    Scheduler --BatchTokenOut / ControlResp--> Detokenizer
-    Detokenizer --BatchTextOut / ControlResp (forwarded)--> TokenizerManager
-    Scheduler --GrammarCompileReq / GrammarStepReq--> grammar worker
-    grammar worker --GrammarCompileResp / GrammarStepResp--> Scheduler
+TokenizerManager --TokenizedGenerateReq / AbortReq / ControlReq--> Scheduler
+Scheduler --BatchTokenOut / ControlResp--> Detokenizer
+Detokenizer --BatchTextOut / ControlResp (forwarded)--> TokenizerManager
+Scheduler --GrammarCompileReq / GrammarStepReq--> grammar worker
+grammar worker --GrammarCompileResp / GrammarStepResp--> Scheduler
 """
 
 from __future__ import annotations
@@ -86,10 +86,10 @@ class AbortReq:
 
 @dataclass
 class ControlReq:
-    """A request/response query to the scheduler (server info, pool status)."""
+    """A request/response query to the scheduler: its live report, or emptying the prefix cache."""
 
     qid: str
-    kind: str  # "server_info"
+    kind: str  # "server_info" | "flush_cache"
 
 
 @dataclass

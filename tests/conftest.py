@@ -23,8 +23,7 @@ def run_in_triton_interpreter(code: str) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # tests/ too: the code may import test modules, which import this one as `conftest`
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([root, os.path.join(root, "tests")])}
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
 
 
@@ -159,8 +158,20 @@ def wait_pool_whole(base_url: str, timeout: float = 20) -> dict:
 @pytest.fixture(scope="session")
 def tight_server(tmp_path_factory):
     """A second server with small limits: a tiny KV pool, chunked prefill, a queue limit, a short compile timeout."""
-    srv = start_server(str(tmp_path_factory.mktemp("tight")), "--kv-cache-memory-gb", "0.02",
-                       "--context-length", "512", "--chunked-prefill-size", "64", "--max-queued-requests", "6",
-                       "--kv-reserve-ratio", "0", "--grammar-compile-timeout", "1")
+    srv = start_server(
+        str(tmp_path_factory.mktemp("tight")),
+        "--kv-cache-memory-gb",
+        "0.02",
+        "--context-length",
+        "512",
+        "--chunked-prefill-size",
+        "64",
+        "--max-queued-requests",
+        "6",
+        "--kv-reserve-ratio",
+        "0",
+        "--grammar-compile-timeout",
+        "1",
+    )
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]

@@ -98,8 +98,9 @@ class SchemaResult:
     mismatches: int = 0  # mask/accept_token disagreements (when masks are checked)
 
 
-def compile_with_timeout(backend: GrammarBackend, spec: GrammarSpec,
-                         timeout_s: float) -> tuple[str, object, float, str]:
+def compile_with_timeout(
+    backend: GrammarBackend, spec: GrammarSpec, timeout_s: float
+) -> tuple[str, object, float, str]:
     """(status, compiled, seconds, error). A compile still running after timeout_s is abandoned
     (its daemon thread finishes in the background; all three libraries release the GIL)."""
     box: dict = {}
@@ -129,8 +130,16 @@ def _allowed(bitmask, token: int) -> bool:
     return bool((int(bitmask[0, token // 32]) >> (token % 32)) & 1)
 
 
-def walk(backend: GrammarBackend, compiled, token_ids: list[int], *, bitmask=None, check_mask=False, mask_times=None,
-         result=None) -> bool:
+def walk(
+    backend: GrammarBackend,
+    compiled,
+    token_ids: list[int],
+    *,
+    bitmask=None,
+    check_mask=False,
+    mask_times=None,
+    result=None,
+) -> bool:
     """Feed tokens then EOS; True when all are accepted and the matcher ends terminated.
     With a bitmask: fill it before every token (timing it into mask_times when given) and, with
     check_mask, count disagreements between the mask and accept_token in result.mismatches."""
@@ -201,8 +210,9 @@ def run_schema(
         for text in texts:
             ids = tokenizer.encode(text, add_special_tokens=False)
             times = res.mask_s if (time_masks and valid) else None
-            outcomes.append(walk(backend, compiled, ids, bitmask=bitmask, check_mask=check_mask, mask_times=times,
-                                 result=res))
+            outcomes.append(
+                walk(backend, compiled, ids, bitmask=bitmask, check_mask=check_mask, mask_times=times, result=res)
+            )
         if valid:
             res.valid_total += 1
             res.valid_accepted += all(outcomes)
@@ -253,8 +263,13 @@ def _worker(conn, backend_name, tokenizer, vocab_size, eos, options, paths, kwar
     for i, path in enumerate(paths):
         conn.send(("compile", i))
         res = run_schema(
-            backend, tokenizer, Path(path), timeout_s=None, whitespace_allowed=whitespace_allowed,
-            on_compiled=lambda i=i: conn.send(("compiled", i)), **kwargs,
+            backend,
+            tokenizer,
+            Path(path),
+            timeout_s=None,
+            whitespace_allowed=whitespace_allowed,
+            on_compiled=lambda i=i: conn.send(("compiled", i)),
+            **kwargs,
         )
         conn.send(("result", (i, res)))
     conn.send(("done", None))
@@ -305,8 +320,16 @@ def run_corpus(
         parent, child = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_worker,
-            args=(child, backend_name, tokenizer, vocab_size, eos_token_ids, options, [str(f) for f in files[start:]],
-                  kwargs),
+            args=(
+                child,
+                backend_name,
+                tokenizer,
+                vocab_size,
+                eos_token_ids,
+                options,
+                [str(f) for f in files[start:]],
+                kwargs,
+            ),
             daemon=True,
         )
         proc.start()
@@ -323,11 +346,18 @@ def run_corpus(
                 if current is None:
                     raise RuntimeError(f"{backend_name} worker did not start within {start_timeout_s:g} s")
                 if phase == "compile":
-                    r = SchemaResult(files[current].name, "timeout", compile_s=time.monotonic() - since,
-                                     error=f"compile took longer than {timeout_s:g} s")
+                    r = SchemaResult(
+                        files[current].name,
+                        "timeout",
+                        compile_s=time.monotonic() - since,
+                        error=f"compile took longer than {timeout_s:g} s",
+                    )
                 else:
-                    r = SchemaResult(files[current].name, "error",
-                                     error=f"walking the instances took longer than {walk_timeout_s:g} s")
+                    r = SchemaResult(
+                        files[current].name,
+                        "error",
+                        error=f"walking the instances took longer than {walk_timeout_s:g} s",
+                    )
                 record(r, current)
                 next_start = current + 1
                 break
@@ -337,8 +367,10 @@ def run_corpus(
                 proc.join()
                 if current is None:
                     raise RuntimeError(f"{backend_name} worker died at startup (exit code {proc.exitcode})") from None
-                record(SchemaResult(files[current].name, "error", error=f"worker died (exit code {proc.exitcode})"),
-                       current)
+                record(
+                    SchemaResult(files[current].name, "error", error=f"worker died (exit code {proc.exitcode})"),
+                    current,
+                )
                 next_start = current + 1
                 break
             now = time.monotonic()

@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from gramserve.config import DEVICE_DEFAULTS, ServerArgs
-from gramserve.server.settings import resolve_settings
-
 from gramserve.model.attention import create_backend, resolve_backend_name
 from gramserve.model.cuda_graph_runner import capture_sizes
 from gramserve.model.kv_cache import KVCache
 from gramserve.sampling.params import SamplingParams
 from gramserve.sampling.sampler import Sampler, SamplingRow
+from gramserve.server.settings import resolve_settings
 
 
 def test_auto_is_torch_on_cpu():
@@ -41,12 +40,16 @@ def test_device_defaults_fill_what_the_command_line_leaves_out(monkeypatch):
     for device in ("cpu", "cuda"):
         got = settings("--device", device)
         want = DEVICE_DEFAULTS[device]
-        assert (got.max_running_requests, got.chunked_prefill_size, got.max_consecutive_prefills) == \
-            (want.max_running_requests, want.chunked_prefill_size, want.max_consecutive_prefills)
+        assert (got.max_running_requests, got.chunked_prefill_size, got.max_consecutive_prefills) == (
+            want.max_running_requests,
+            want.chunked_prefill_size,
+            want.max_consecutive_prefills,
+        )
         # No CUDA graphs off CUDA; on CUDA the device's default size.
         assert got.cuda_graph_max_bs == (want.cuda_graph_max_bs if device == "cuda" else 0)
-    given = settings("--device", "cuda", "--max-running-requests", "64", "--chunked-prefill-size", "0",
-                     "--cuda-graph-max-bs", "8")
+    given = settings(
+        "--device", "cuda", "--max-running-requests", "64", "--chunked-prefill-size", "0", "--cuda-graph-max-bs", "8"
+    )
     assert (given.max_running_requests, given.chunked_prefill_size, given.cuda_graph_max_bs) == (64, 0, 8)
     assert settings("--device", "cuda", "--disable-cuda-graph").cuda_graph_max_bs == 0
     assert settings("--device", "cuda", "--max-consecutive-prefills", "3").max_consecutive_prefills == 3
@@ -76,8 +79,9 @@ def test_device_defaults_fill_what_the_command_line_leaves_out(monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert auto.device == device
     assert auto.max_running_requests == DEVICE_DEFAULTS[device].max_running_requests
-    assert (auto.dtype, auto.attention_backend) == (("bfloat16", auto.attention_backend) if device == "cuda"
-                                                    else ("float32", "torch"))
+    assert (auto.dtype, auto.attention_backend) == (
+        ("bfloat16", auto.attention_backend) if device == "cuda" else ("float32", "torch")
+    )
 
 
 def test_server_args_are_frozen_as_parsed():

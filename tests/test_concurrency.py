@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-
 from conftest import wait_pool_whole
 
 TOPICS = ["cats", "the ocean", "trains", "music", "winter", "coffee", "robots", "gardens"]
@@ -23,8 +22,12 @@ def test_32_concurrent_streams_match_sequential(make_async_client, client, model
 
     async def stream_one(prompt: str) -> tuple[str, str | None]:
         stream = await async_client.chat.completions.create(
-            model=model_name, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-            temperature=0, stream=True)
+            model=model_name,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+        )
         text, finish = "", None
         async for chunk in stream:
             for ch in chunk.choices:
@@ -50,8 +53,9 @@ def test_32_concurrent_streams_match_sequential(make_async_client, client, model
 
     for prompt, (text, finish) in zip(prompts, concurrent):
         assert finish in ("stop", "length")
-        alone = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": prompt}],
-                                               max_tokens=max_tokens, temperature=0)
+        alone = client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0
+        )
         assert text == alone.choices[0].message.content, prompt
         assert finish == alone.choices[0].finish_reason
 
@@ -69,8 +73,9 @@ def test_batching_actually_overlaps(make_async_client, model_name, base_url):
     async_client = make_async_client()
 
     async def one(i: int):
-        return await async_client.completions.create(model=model_name, prompt=f"Item {i}:", max_tokens=max_tokens,
-                                                     temperature=0, extra_body={"ignore_eos": True})
+        return await async_client.completions.create(
+            model=model_name, prompt=f"Item {i}:", max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
+        )
 
     async def run_all():
         return await asyncio.gather(*(one(i) for i in range(n)))

@@ -11,11 +11,11 @@ import pytest
 import zmq
 
 from gramserve.config import ServerArgs
-from gramserve.server.settings import in_process_config
 from gramserve.detokenizer.incremental import IncrementalDecoder, StopStringFilter
 from gramserve.detokenizer.process import DetokenizerManager, run_detokenizer_process
 from gramserve.ipc import DETOKENIZER_IN, TOKENIZER_MANAGER_IN, pull_socket, push_socket
 from gramserve.messages import BatchTextOut, BatchTokenOut, ControlResp, FinishReason, TokenLogprob
+from gramserve.server.settings import in_process_config
 
 FFFD = "\ufffd"
 
@@ -39,7 +39,7 @@ def random_chunks(ids: list[int], rng: random.Random, max_size: int = 5) -> list
     chunks, i = [], 0
     while i < len(ids):
         n = rng.randint(1, max_size)
-        chunks.append(ids[i:i + n])
+        chunks.append(ids[i : i + n])
         i += n
     return chunks
 
@@ -272,9 +272,13 @@ def token_out(items: list[dict]) -> BatchTokenOut:
 def entry(out: BatchTextOut, rid: str) -> dict:
     i = out.rids.index(rid)
     return {
-        "delta": out.text_deltas[i], "ids": out.new_token_ids[i], "finished": out.finished[i],
-        "prompt": out.prompt_tokens[i], "completion": out.completion_tokens[i],
-        "cached": out.cached_tokens[i], "logprobs": out.logprobs[i],
+        "delta": out.text_deltas[i],
+        "ids": out.new_token_ids[i],
+        "finished": out.finished[i],
+        "prompt": out.prompt_tokens[i],
+        "completion": out.completion_tokens[i],
+        "cached": out.cached_tokens[i],
+        "logprobs": out.logprobs[i],
     }
 
 
@@ -289,8 +293,9 @@ def test_manager_interleaved_streams(tok):
         if k < len(ida):
             lp = [TokenLogprob(ida[k], -0.5, [(ida[k], -0.5)])]
             fin = FinishReason("length") if k == len(ida) - 1 else None
-            items.append({"rid": "a", "ids": [ida[k]], "finished": fin, "completion": k + 1, "cached": 3,
-                          "logprobs": lp})
+            items.append(
+                {"rid": "a", "ids": [ida[k]], "finished": fin, "completion": k + 1, "cached": 3, "logprobs": lp}
+            )
         if k < len(idb):
             fin = FinishReason("stop", matched=2) if k == len(idb) - 1 else None
             items.append({"rid": "b", "ids": [idb[k]], "finished": fin, "completion": k + 1, "prompt": 9})
@@ -313,7 +318,7 @@ def test_manager_stop_string_before_scheduler_finishes(tok):
     ids = tok.encode("Sure! Here you go: ANSWER=7 END and then more text afterwards")
     text, finishes, k = "", [], 0
     while True:
-        out = mgr.handle_batch(token_out([{"rid": "r", "ids": ids[k:k + 2], "stop": ["END", "never"]}]))
+        out = mgr.handle_batch(token_out([{"rid": "r", "ids": ids[k : k + 2], "stop": ["END", "never"]}]))
         k += 2
         assert out is not None
         e = entry(out, "r")
@@ -325,11 +330,15 @@ def test_manager_stop_string_before_scheduler_finishes(tok):
     assert text == "Sure! Here you go: ANSWER=7 "
     assert finishes == [FinishReason(type="stop", matched="END")]
     # The scheduler keeps sending tokens for a while: nothing more is reported for this rid.
-    assert mgr.handle_batch(token_out([{"rid": "r", "ids": ids[k:k + 3], "stop": ["END"]}])) is None
-    other = mgr.handle_batch(token_out([{"rid": "r", "ids": ids[k + 3:k + 4]}, {"rid": "x", "ids": tok.encode("hi")}]))
+    assert mgr.handle_batch(token_out([{"rid": "r", "ids": ids[k : k + 3], "stop": ["END"]}])) is None
+    other = mgr.handle_batch(
+        token_out([{"rid": "r", "ids": ids[k + 3 : k + 4]}, {"rid": "x", "ids": tok.encode("hi")}])
+    )
     assert other is not None and other.rids == ["x"] and other.text_deltas == ["hi"]
     # Its own finish arrives: state dropped, no second finish sent.
-    assert mgr.handle_batch(token_out([{"rid": "r", "ids": [], "finished": FinishReason("stop", matched="END")}])) is None
+    assert (
+        mgr.handle_batch(token_out([{"rid": "r", "ids": [], "finished": FinishReason("stop", matched="END")}])) is None
+    )
     assert "r" not in mgr.states and mgr.finished_early == set()
 
 
@@ -348,8 +357,15 @@ def test_manager_finish_flushes_held_prefix(tok):
     out1 = mgr.handle_batch(token_out([{"rid": "r", "ids": ids, "stop": ["</stop>"]}]))
     assert entry(out1, "r")["delta"] == "value "
     out2 = mgr.handle_batch(token_out([{"rid": "r", "ids": [], "finished": FinishReason("length")}]))
-    assert entry(out2, "r") == {"delta": "</", "ids": [], "finished": FinishReason("length"), "prompt": 5,
-                                "completion": 0, "cached": 0, "logprobs": None}
+    assert entry(out2, "r") == {
+        "delta": "</",
+        "ids": [],
+        "finished": FinishReason("length"),
+        "prompt": 5,
+        "completion": 0,
+        "cached": 0,
+        "logprobs": None,
+    }
     assert mgr.states == {}
 
 
@@ -359,21 +375,38 @@ def test_manager_abort_passthrough(tok):
     out = mgr.handle_batch(token_out([{"rid": "a", "ids": ids[:3]}]))
     assert entry(out, "a")["finished"] is None
     abort = FinishReason(type="abort", message="client disconnected")
-    out = mgr.handle_batch(token_out([{"rid": "a", "ids": [], "finished": abort},
-                                      {"rid": "new", "ids": [], "finished": FinishReason("abort", message="queue full")}]))
+    out = mgr.handle_batch(
+        token_out(
+            [
+                {"rid": "a", "ids": [], "finished": abort},
+                {"rid": "new", "ids": [], "finished": FinishReason("abort", message="queue full")},
+            ]
+        )
+    )
     assert entry(out, "a")["finished"] == abort and entry(out, "a")["finished"].message == "client disconnected"
-    assert entry(out, "new") == {"delta": "", "ids": [], "finished": FinishReason("abort", message="queue full"),
-                                 "prompt": 5, "completion": 0, "cached": 0, "logprobs": None}
+    assert entry(out, "new") == {
+        "delta": "",
+        "ids": [],
+        "finished": FinishReason("abort", message="queue full"),
+        "prompt": 5,
+        "completion": 0,
+        "cached": 0,
+        "logprobs": None,
+    }
     assert mgr.states == {}
 
 
 def test_manager_skip_special_tokens_per_request(tok):
     mgr = DetokenizerManager(tok)
     ids = tok.encode("x") + [2] + tok.encode("y") + [2]
-    out = mgr.handle_batch(token_out([
-        {"rid": "skip", "ids": ids, "finished": FinishReason("stop", matched=2)},
-        {"rid": "keep", "ids": ids, "skip": False, "finished": FinishReason("stop", matched=2)},
-    ]))
+    out = mgr.handle_batch(
+        token_out(
+            [
+                {"rid": "skip", "ids": ids, "finished": FinishReason("stop", matched=2)},
+                {"rid": "keep", "ids": ids, "skip": False, "finished": FinishReason("stop", matched=2)},
+            ]
+        )
+    )
     assert entry(out, "skip")["delta"] == "xy"
     # Special tokens inside the answer are kept; the EOS that ended it is not part of the text (as in SGLang).
     assert entry(out, "keep")["delta"] == "x<|im_end|>y"
@@ -404,8 +437,9 @@ def detok_process(request):
     from gramserve.model.loader import default_tokenizer_dir
 
     ipc_dir = tempfile.mkdtemp(prefix="gs-detok-")
-    args = in_process_config(ServerArgs(log_level="warning", device="cpu"), ipc_dir=ipc_dir,
-                             tokenizer_dir=default_tokenizer_dir())
+    args = in_process_config(
+        ServerArgs(log_level="warning", device="cpu"), ipc_dir=ipc_dir, tokenizer_dir=default_tokenizer_dir()
+    )
     ctx = zmq.Context()
     out_sock = pull_socket(ctx, args.ipc_path(TOKENIZER_MANAGER_IN))
     out_sock.setsockopt(zmq.RCVTIMEO, 20000)

@@ -24,8 +24,17 @@ RUNAWAY = "(a|b)*a(a|b){16}"  # outlines-core: minutes of CPU (the {12} version 
 
 @pytest.fixture
 def service(tokenizer):
-    svc = GrammarService(tokenizer, len(tokenizer), [EOS], GrammarOptions(), allocate_bitmask(4, len(tokenizer)),
-                         default_backend="outlines", compile_timeout_s=1.5, compile_threads=1, fill_threads=0)
+    svc = GrammarService(
+        tokenizer,
+        len(tokenizer),
+        [EOS],
+        GrammarOptions(),
+        allocate_bitmask(4, len(tokenizer)),
+        default_backend="outlines",
+        compile_timeout_s=1.5,
+        compile_threads=1,
+        fill_threads=0,
+    )
     yield svc
     svc.close()
 
@@ -102,8 +111,17 @@ def test_runaway_compile_worker_is_killed(service):
 
 def test_auto_reports_a_timed_out_process_compile(tokenizer):
     # outlines is last in the auto order: with the other two ruled out, its timeout is the answer.
-    svc = GrammarService(tokenizer, len(tokenizer), [EOS], GrammarOptions(), allocate_bitmask(2, len(tokenizer)),
-                         default_backend="auto", compile_timeout_s=1.0, compile_threads=1, fill_threads=0)
+    svc = GrammarService(
+        tokenizer,
+        len(tokenizer),
+        [EOS],
+        GrammarOptions(),
+        allocate_bitmask(2, len(tokenizer)),
+        default_backend="auto",
+        compile_timeout_s=1.0,
+        compile_threads=1,
+        fill_threads=0,
+    )
     try:
         svc.failures.put(("xgrammar", "regex", RUNAWAY), "pretend xgrammar rejected it")
         svc.failures.put(("llguidance", "regex", RUNAWAY), "pretend llguidance rejected it")

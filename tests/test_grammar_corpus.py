@@ -149,7 +149,11 @@ def test_required_but_undeclared_property_is_enforced(backend, tokenizer):
 def test_json_schema(backend, tokenizer):
     schema = {
         "type": "object",
-        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": ["a", "b"]}}},
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "tags": {"type": "array", "items": {"enum": ["a", "b"]}},
+        },
         "required": ["name"],
         "additionalProperties": False,
     }
@@ -169,13 +173,19 @@ STRUCTURAL_TAG = {
             {
                 "type": "tag",
                 "begin": "<function=get_weather>",
-                "content": {"type": "json_schema", "json_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+                "content": {
+                    "type": "json_schema",
+                    "json_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+                },
                 "end": "</function>",
             },
             {
                 "type": "tag",
                 "begin": "<function=add>",
-                "content": {"type": "json_schema", "json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}},
+                "content": {
+                    "type": "json_schema",
+                    "json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                },
                 "end": "</function>",
             },
         ],
@@ -183,7 +193,13 @@ STRUCTURAL_TAG = {
 }
 LEGACY_STRUCTURAL_TAG = {
     "type": "structural_tag",
-    "structures": [{"begin": "<tool>", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "end": "</tool>"}],
+    "structures": [
+        {
+            "begin": "<tool>",
+            "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            "end": "</tool>",
+        }
+    ],
     "triggers": ["<tool>"],
 }
 
@@ -226,40 +242,91 @@ def _tag(begin, content, end):
 
 STRUCTURAL_TAG_FORMATS = {
     "sequence": (
-        _st({"type": "sequence", "elements": [{"type": "const_string", "value": "Answer: "}, {"type": "regex", "pattern": "[0-9]+"}, {"type": "const_string", "value": "."}]}),
-        ["Answer: 42."], ["Answer: x.", "Answer: 42"],
+        _st(
+            {
+                "type": "sequence",
+                "elements": [
+                    {"type": "const_string", "value": "Answer: "},
+                    {"type": "regex", "pattern": "[0-9]+"},
+                    {"type": "const_string", "value": "."},
+                ],
+            }
+        ),
+        ["Answer: 42."],
+        ["Answer: x.", "Answer: 42"],
     ),
     "or": (
-        _st({"type": "or", "elements": [{"type": "const_string", "value": "yes"}, {"type": "json_schema", "json_schema": {"type": "integer"}}]}),
-        ["yes", "12"], ["no", "1.5"],
+        _st(
+            {
+                "type": "or",
+                "elements": [
+                    {"type": "const_string", "value": "yes"},
+                    {"type": "json_schema", "json_schema": {"type": "integer"}},
+                ],
+            }
+        ),
+        ["yes", "12"],
+        ["no", "1.5"],
     ),
     "tag_any_text": (
         _st(_tag("<think>", {"type": "any_text"}, "</think>")),
-        ["<think>hmm a < b</think>"], ["<think>x</think>y", "<think>x"],
+        ["<think>hmm a < b</think>"],
+        ["<think>x</think>y", "<think>x"],
     ),
     "tag_grammar": (
         _st(_tag("<g>", {"type": "grammar", "grammar": 'root ::= "a" root | "b"'}, "</g>")),
-        ["<g>aab</g>"], ["<g>ac</g>"],
+        ["<g>aab</g>"],
+        ["<g>ac</g>"],
     ),
     "tags_with_separator": (
-        _st({"type": "tags_with_separator", "tags": [_tag("<a>", {"type": "json_schema", "json_schema": {"type": "integer"}}, "</a>")], "separator": ",", "at_least_one": True}),
-        ["<a>1</a>", "<a>1</a>,<a>2</a>"], ["", "<a>1</a>,"],
+        _st(
+            {
+                "type": "tags_with_separator",
+                "tags": [_tag("<a>", {"type": "json_schema", "json_schema": {"type": "integer"}}, "</a>")],
+                "separator": ",",
+                "at_least_one": True,
+            }
+        ),
+        ["<a>1</a>", "<a>1</a>,<a>2</a>"],
+        ["", "<a>1</a>,"],
     ),
     "star_optional_repeat": (
-        _st({"type": "sequence", "elements": [
-            {"type": "star", "content": {"type": "const_string", "value": "ab"}},
-            {"type": "optional", "content": {"type": "const_string", "value": "!"}},
-            {"type": "repeat", "min": 1, "max": 2, "content": {"type": "const_string", "value": "x"}},
-        ]}),
-        ["x", "abab!xx", "!x"], ["", "a", "!!x", "xxx"],
+        _st(
+            {
+                "type": "sequence",
+                "elements": [
+                    {"type": "star", "content": {"type": "const_string", "value": "ab"}},
+                    {"type": "optional", "content": {"type": "const_string", "value": "!"}},
+                    {"type": "repeat", "min": 1, "max": 2, "content": {"type": "const_string", "value": "x"}},
+                ],
+            }
+        ),
+        ["x", "abab!xx", "!x"],
+        ["", "a", "!!x", "xxx"],
     ),
     "triggered_at_least_one": (  # the output starts with a tag
-        _st({"type": "triggered_tags", "triggers": ["<f"], "tags": [_tag("<f>", {"type": "json_schema", "json_schema": {"type": "object"}}, "</f>")], "at_least_one": True}),
-        ["<f>{}</f>", "<f>{}</f> bye <f>{}</f>"], ["hi", "hi <f>{}</f>"],
+        _st(
+            {
+                "type": "triggered_tags",
+                "triggers": ["<f"],
+                "tags": [_tag("<f>", {"type": "json_schema", "json_schema": {"type": "object"}}, "</f>")],
+                "at_least_one": True,
+            }
+        ),
+        ["<f>{}</f>", "<f>{}</f> bye <f>{}</f>"],
+        ["hi", "hi <f>{}</f>"],
     ),
     "triggered_stop_after_first": (
-        _st({"type": "triggered_tags", "triggers": ["<f"], "tags": [_tag("<f>", {"type": "json_schema", "json_schema": {"type": "object"}}, "</f>")], "stop_after_first": True}),
-        ["hi <f>{}</f>", "hi"], ["<f>{}</f> more"],
+        _st(
+            {
+                "type": "triggered_tags",
+                "triggers": ["<f"],
+                "tags": [_tag("<f>", {"type": "json_schema", "json_schema": {"type": "object"}}, "</f>")],
+                "stop_after_first": True,
+            }
+        ),
+        ["hi <f>{}</f>", "hi"],
+        ["<f>{}</f> more"],
     ),
 }
 
@@ -287,7 +354,10 @@ def test_structural_tag_formats(tokenizer, name, case):
         ("json_schema", "{not json"),
         ("json_schema", "[1, 2]"),
         ("json_schema", "false"),
-        ("json_schema", json.dumps({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]})),
+        (
+            "json_schema",
+            json.dumps({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}),
+        ),
         ("choice", "not json"),
         ("choice", "[]"),
         ("choice", "[1, 2]"),
@@ -386,7 +456,11 @@ def test_multiple_eos_ids(tokenizer, name):
 
 
 def test_rejected_token_leaves_state_unchanged(backend, tokenizer):
-    c = backend.compile(GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})))
+    c = backend.compile(
+        GrammarSpec(
+            "json_schema", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+        )
+    )
     m = backend.matcher(c)
     bitmask = allocate_bitmask(1, backend.vocab_size)
     text_ids = tokenizer.encode('{"n":12}', add_special_tokens=False)
@@ -416,7 +490,9 @@ def test_whitespace_options(tokenizer, name):
         results[ws] = [accepts(b, c, t, tokenizer) for t in (compact, spaced, wide)]
         if name != "outlines":  # (outlines-core takes ~10 s to compile json_object)
             obj = b.compile(GrammarSpec("json_object", ""))
-            results[ws] += [accepts(b, obj, t, tokenizer) for t in ('{"x":[1,{"y":2}],"z":3}', '{"x": [1, {"y": 2}], "z": 3}')]
+            results[ws] += [
+                accepts(b, obj, t, tokenizer) for t in ('{"x":[1,{"y":2}],"z":3}', '{"x": [1, {"y": 2}], "z": 3}')
+            ]
     if name != "outlines":
         assert results[0][3:] == [True, False]
         assert results[2][3:] == [True, True]
@@ -525,7 +601,9 @@ def test_corpus_sample_is_stratified():
 def test_jsonschemabench_sample(tokenizer, name):
     files = corpus_sample(name)
     t0 = time.monotonic()
-    results = run_corpus(name, tokenizer, len(tokenizer), [EOS], GrammarOptions(), files, timeout_s=COMPILE_TIMEOUT_S, check_mask=True)
+    results = run_corpus(
+        name, tokenizer, len(tokenizer), [EOS], GrammarOptions(), files, timeout_s=COMPILE_TIMEOUT_S, check_mask=True
+    )
     s = Summary(name)
     for r in results:
         s.add(r)

@@ -7,8 +7,8 @@ import textwrap
 
 import pytest
 import torch
-
 from conftest import run_in_triton_interpreter
+
 from gramserve.sampling.bitmask import _torch_apply_bitmask
 from gramserve.sampling.grammar_masks import MaskApplier
 
@@ -19,14 +19,14 @@ def reference(logits: torch.Tensor, bitmask: torch.Tensor, pairs: list[tuple[int
     out = logits.clone()
     sub = out[rows]
     _torch_apply_bitmask(sub, bitmask[slots])
-    sub[:, bitmask.shape[1] * 32:] = float("-inf")  # logits wider than the grammar's vocabulary
+    sub[:, bitmask.shape[1] * 32 :] = float("-inf")  # logits wider than the grammar's vocabulary
     out[rows] = sub
     return out
 
 
 def random_bitmask(rows: int, words: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(-2**31, 2**31 - 1, (rows, words), generator=g, dtype=torch.int64).to(torch.int32)
+    return torch.randint(-(2**31), 2**31 - 1, (rows, words), generator=g, dtype=torch.int64).to(torch.int32)
 
 
 PAIRS = [

@@ -222,11 +222,24 @@ def test_service_step_fills_in_batches(tokenizer):
     schemas = schemas[:4]
     services = []
     for threads in (0, 3):
-        svc = GrammarService(tokenizer, vocab, [EOS], GrammarOptions(), allocate_bitmask(ROWS, vocab),
-                             default_backend="auto", fill_threads=threads)
+        svc = GrammarService(
+            tokenizer,
+            vocab,
+            [EOS],
+            GrammarOptions(),
+            allocate_bitmask(ROWS, vocab),
+            default_backend="auto",
+            fill_threads=threads,
+        )
         for i in range(24):
-            svc.submit(GrammarCompileReq(f"r{i}", GrammarRequest("json_schema", schemas[i % len(schemas)][0],
-                                                                 backend="xgrammar" if i % 2 else "llguidance")))
+            svc.submit(
+                GrammarCompileReq(
+                    f"r{i}",
+                    GrammarRequest(
+                        "json_schema", schemas[i % len(schemas)][0], backend="xgrammar" if i % 2 else "llguidance"
+                    ),
+                )
+            )
         deadline = time.monotonic() + 120
         while svc.pending and time.monotonic() < deadline:
             svc.poll_compiles()

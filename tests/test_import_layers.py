@@ -103,9 +103,11 @@ def imports_of(module: str, source: str, is_package: bool, known: set[str]) -> l
 def import_edges(sources: dict[str, tuple[str, bool]]) -> list[tuple[str, int, str]]:
     """(module, line, imported module) over `sources`: module -> (source text, is a package)."""
     known = set(sources)
-    return [(module, line, target)
-            for module, (text, is_package) in sources.items()
-            for line, target in imports_of(module, text, is_package, known)]
+    return [
+        (module, line, target)
+        for module, (text, is_package) in sources.items()
+        for line, target in imports_of(module, text, is_package, known)
+    ]
 
 
 def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
@@ -127,7 +129,7 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()
@@ -156,6 +158,7 @@ def test_the_layers_have_no_cycle():
 
 def test_no_cycle_between_subpackages():
     """At the granularity of gramserve's subpackages and top-level modules (config, ipc, messages, ...)."""
+
     def top(module: str) -> str:
         return ".".join(module.split(".")[:2])
 
@@ -166,17 +169,29 @@ def test_no_cycle_between_subpackages():
     assert cycle(graph) is None, f"import cycle: {' -> '.join(cycle(graph))}"
 
 
-@pytest.mark.parametrize("module,source,expected", [
-    # the cycle this layering removed: sampling reaching into the grammar backends
-    ("gramserve.sampling.grammar_masks", "from gramserve.grammar.backends.base import apply_bitmask",
-     "sampling may not import grammar"),
-    ("gramserve.scheduler.grammar_client", "def f():\n    from gramserve.grammar.service import GrammarService",
-     "scheduler may not import grammar"),
-    ("gramserve.grammar.worker", "import gramserve.model.runner", "grammar may not import model"),
-    ("gramserve.messages", "from gramserve.sampling import sampler", "base may not import sampling"),
-    ("gramserve.grammar.backends.xgrammar_backend", "from ...scheduler.grammar_slots import SlotTable",
-     "grammar may not import scheduler"),
-])
+@pytest.mark.parametrize(
+    "module,source,expected",
+    [
+        # the cycle this layering removed: sampling reaching into the grammar backends
+        (
+            "gramserve.sampling.grammar_masks",
+            "from gramserve.grammar.backends.base import apply_bitmask",
+            "sampling may not import grammar",
+        ),
+        (
+            "gramserve.scheduler.grammar_client",
+            "def f():\n    from gramserve.grammar.service import GrammarService",
+            "scheduler may not import grammar",
+        ),
+        ("gramserve.grammar.worker", "import gramserve.model.runner", "grammar may not import model"),
+        ("gramserve.messages", "from gramserve.sampling import sampler", "base may not import sampling"),
+        (
+            "gramserve.grammar.backends.xgrammar_backend",
+            "from ...scheduler.grammar_slots import SlotTable",
+            "grammar may not import scheduler",
+        ),
+    ],
+)
 def test_a_forbidden_import_is_caught(module, source, expected):
     sources = {name: ("", False) for name in package_modules()}
     sources[module] = (source, False)

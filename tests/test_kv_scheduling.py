@@ -7,13 +7,13 @@ import concurrent.futures
 
 import httpx
 import pytest
-
 from conftest import wait_pool_whole
+
 from gramserve.config import ServerArgs
-from gramserve.server.settings import in_process_config
 from gramserve.messages import TokenizedGenerateReq
 from gramserve.sampling.params import SamplingParams
 from gramserve.scheduler.scheduler import Scheduler
+from gramserve.server.settings import in_process_config
 
 
 def _workload() -> list[list[int]]:
@@ -35,7 +35,7 @@ def _run(tokenizer, prompts, waves: int = 2, params=None, **kw) -> tuple[dict, d
     finished: dict[str, str] = {}
     per_wave = -(-len(prompts) // waves)
     for w in range(waves):
-        for i, p in enumerate(prompts[w * per_wave:(w + 1) * per_wave]):
+        for i, p in enumerate(prompts[w * per_wave : (w + 1) * per_wave]):
             sp = params(i) if params else SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
             sched.add_request(TokenizedGenerateReq(f"r{w}-{i}", p, sp))
         while sched.has_work:
@@ -72,12 +72,20 @@ def test_prefix_cache_chunking_and_small_pool_keep_outputs(tokenizer):
     _assert_whole(info)
 
     # A pool that cannot hold every request at once: requests wait or are retracted, never fail.
-    tiny, info = _run(tokenizer, prompts, waves=1, kv_cache_memory_gb=0.0075, context_length=256,
-                      kv_reserve_ratio=0.0, chunked_prefill_size=64)
+    tiny, info = _run(
+        tokenizer,
+        prompts,
+        waves=1,
+        kv_cache_memory_gb=0.0075,
+        context_length=256,
+        kv_reserve_ratio=0.0,
+        chunked_prefill_size=64,
+    )
     assert info["kv_pool"]["total_slots"] < sum(len(p) + 10 for p in prompts)
     assert info["stats"]["retractions"] > 0
     assert {k.split("-")[1]: v for k, v in tiny.items()} == {
-        str(i): reference[f"r{i // 6}-{i % 6}"] for i in range(len(prompts))}
+        str(i): reference[f"r{i // 6}-{i % 6}"] for i in range(len(prompts))
+    }
     _assert_whole(info)
 
 
@@ -86,12 +94,22 @@ def test_overlap_schedule_gives_the_same_tokens(tokenizer):
     prompts = _workload()
 
     def varied(i):  # requests finishing at different steps, by length, EOS and stop token
-        return SamplingParams(max_new_tokens=1 + i % 7, temperature=0, ignore_eos=i % 3 == 0,
-                              stop_token_ids=[28] if i % 4 == 1 else [])
+        return SamplingParams(
+            max_new_tokens=1 + i % 7, temperature=0, ignore_eos=i % 3 == 0, stop_token_ids=[28] if i % 4 == 1 else []
+        )
 
-    for kw in ({}, {"chunked_prefill_size": 16}, {"params": varied},
-               {"waves": 1, "kv_cache_memory_gb": 0.0075, "context_length": 256, "kv_reserve_ratio": 0.0,
-                "chunked_prefill_size": 64}):
+    for kw in (
+        {},
+        {"chunked_prefill_size": 16},
+        {"params": varied},
+        {
+            "waves": 1,
+            "kv_cache_memory_gb": 0.0075,
+            "context_length": 256,
+            "kv_reserve_ratio": 0.0,
+            "chunked_prefill_size": 64,
+        },
+    ):
         kw = {"kv_cache_memory_gb": 0.3, **kw}
         plain, _ = _run(tokenizer, prompts, overlap_schedule="off", **kw)
         overlap, info = _run(tokenizer, prompts, overlap_schedule="on", **kw)
@@ -102,12 +120,14 @@ def test_overlap_schedule_gives_the_same_tokens(tokenizer):
 
 
 def test_fcfs_policy_and_priority(tokenizer):
-    sched = Scheduler(in_process_config(ServerArgs(kv_cache_memory_gb=0.3, schedule_policy="fcfs",
-                                                   max_running_requests=1)), tokenizer)
+    sched = Scheduler(
+        in_process_config(ServerArgs(kv_cache_memory_gb=0.3, schedule_policy="fcfs", max_running_requests=1)), tokenizer
+    )
     order = []
     for rid, prio in (("low", 5), ("high", -1), ("mid", 0)):
-        sched.add_request(TokenizedGenerateReq(rid, [10, 11, 12], SamplingParams(max_new_tokens=2, temperature=0),
-                                               priority=prio))
+        sched.add_request(
+            TokenizedGenerateReq(rid, [10, 11, 12], SamplingParams(max_new_tokens=2, temperature=0), priority=prio)
+        )
     while sched.has_work:
         out = sched.step()
         order += [rid for rid, fin in zip(out.rids, out.finished) if fin is not None]
@@ -118,8 +138,12 @@ def test_http_cached_tokens_flush_and_retraction(tight_server):
     url = tight_server.base_url
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     system = "You are a meticulous assistant. " * 12
-    body = {"model": model, "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Say hi."}]}
+    body = {
+        "model": model,
+        "max_tokens": 8,
+        "temperature": 0,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Say hi."}],
+    }
     first = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
     second = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
     assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
@@ -132,8 +156,11 @@ def test_http_cached_tokens_flush_and_retraction(tight_server):
     prompts = [f"Write about the number {i}. " * 6 for i in range(6)]
 
     def one(p):
-        return httpx.post(url + "/v1/completions", timeout=300, json={
-            "model": model, "prompt": p, "max_tokens": 48, "temperature": 0, "ignore_eos": True}).json()
+        return httpx.post(
+            url + "/v1/completions",
+            timeout=300,
+            json={"model": model, "prompt": p, "max_tokens": 48, "temperature": 0, "ignore_eos": True},
+        ).json()
 
     with concurrent.futures.ThreadPoolExecutor(6) as ex:
         together = list(ex.map(one, prompts))
@@ -150,8 +177,13 @@ def test_http_queue_limit_is_503(tight_server):
 
     async def burst():
         async with httpx.AsyncClient(timeout=300) as client:
-            reqs = [client.post(url + "/v1/completions", json={
-                "model": model, "prompt": f"Item {i}", "max_tokens": 32, "ignore_eos": True}) for i in range(30)]
+            reqs = [
+                client.post(
+                    url + "/v1/completions",
+                    json={"model": model, "prompt": f"Item {i}", "max_tokens": 32, "ignore_eos": True},
+                )
+                for i in range(30)
+            ]
             return await asyncio.gather(*reqs)
 
     responses = asyncio.run(burst())
@@ -168,13 +200,23 @@ def test_max_consecutive_prefills_bounds_the_stall_of_running_streams(tokenizer,
     at most N prefill steps run between two decode steps; with 0 the prompts are prefilled back to back, as SGLang.
     The tokens are the same whatever the limit, in the plain loop and under the overlap schedule (CUDA's
     default)."""
-    args = ServerArgs(device="cpu", chunked_prefill_size=16, max_consecutive_prefills=1, overlap_schedule=overlap,
-                      kv_cache_memory_gb=0.05, context_length=256)
+    args = ServerArgs(
+        device="cpu",
+        chunked_prefill_size=16,
+        max_consecutive_prefills=1,
+        overlap_schedule=overlap,
+        kv_cache_memory_gb=0.05,
+        context_length=256,
+    )
     sched = Scheduler(in_process_config(args), tokenizer)
     assert sched.max_consecutive_prefills == 1
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
-    prompts = {"running": range(500, 510), "long": range(600, 696), "short-a": range(700, 710),
-               "short-b": range(800, 805)}
+    prompts = {
+        "running": range(500, 510),
+        "long": range(600, 696),
+        "short-a": range(700, 710),
+        "short-b": range(800, 805),
+    }
     runs = {}
     for limit in (1, 2, 0):
         sched.max_consecutive_prefills = limit

@@ -15,7 +15,6 @@ import tempfile
 import time
 
 import pytest
-
 from conftest import ServerProcess, _not_zombie, free_port, start_server
 
 
@@ -88,8 +87,12 @@ def _start(servers, tmp_path) -> tuple[ServerProcess, list[int]]:
 def test_nonexistent_model_exits_quickly_with_a_clear_message(ipc_tmp):
     path = "/nonexistent/x.gguf"
     t0 = time.time()
-    res = subprocess.run([sys.executable, "-m", "gramserve", "serve", "--model", path, "--port", str(free_port())],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "gramserve", "serve", "--model", path, "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     elapsed = time.time() - t0
     out = res.stdout + res.stderr
     assert res.returncode != 0, out

@@ -18,8 +18,9 @@ from gramserve.model.loader import default_tokenizer_dir
 from gramserve.parsers.tool_calls import ToolFunction, get_tool_call_parser
 from gramserve.sampling.bitmask import allocate_bitmask
 
-WEATHER = ToolFunction("get_weather", {"type": "object", "properties": {"city": {"type": "string"}},
-                                       "required": ["city"]})
+WEATHER = ToolFunction(
+    "get_weather", {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +53,7 @@ def test_special_marker_token_in_a_constrained_call(mistral_like_tokenizer, decl
     compiled = backend.compile(GrammarSpec("structural_tag", json.dumps(tag)))
     call = parser.render_calls([("get_weather", {"city": "Paris"})])
     assert call.startswith("[TOOL_CALLS]")
-    ids = [marker_id] + tok.encode(call[len("[TOOL_CALLS]"):], add_special_tokens=False) + [tok.eos_token_id]
+    ids = [marker_id] + tok.encode(call[len("[TOOL_CALLS]") :], add_special_tokens=False) + [tok.eos_token_id]
     assert walk(backend, compiled, ids) is expected
     # The parsed output of those tokens (special tokens kept) is the call.
     text = tok.decode(ids[:-1], skip_special_tokens=False)

@@ -8,18 +8,38 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from gramserve.model.runner import ModelRunner, RunnerConfig
 from test_model_vs_hf import Harness
 
-BASE = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+from gramserve.model.runner import ModelRunner, RunnerConfig
+
+BASE = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 
 FAMILIES = {
-    "llama3-scaled": ("LlamaConfig", "LlamaForCausalLM", dict(
-        rope_theta=500000.0, tie_word_embeddings=True,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64})),
+    "llama3-scaled": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(rope_theta=10000.0, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1000000.0, head_dim=16)),
@@ -50,7 +70,7 @@ def test_family_matches_hf(family, tmp_path):
     start = 0
     for p in prompts:
         ref = hf(torch.tensor([p])).logits[0]
-        torch.testing.assert_close(logits[start:start + len(p)], ref, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[start : start + len(p)], ref, atol=1e-4, rtol=1e-4)
         start += len(p)
     # decode a few steps greedily against HF generate
     outs = [[int(t)] for t in logits[[len(prompts[0]) - 1, len(prompts[0]) + len(prompts[1]) - 1, -1]].argmax(-1)]
@@ -61,6 +81,12 @@ def test_family_matches_hf(family, tmp_path):
         for o, t in zip(outs, step.argmax(-1).tolist()):
             o.append(t)
     for p, ours in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                          max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)[0, len(p):]
+        ref = hf.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=8,
+            min_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, len(p) :]
         assert ours == ref.tolist()

@@ -26,8 +26,9 @@ class Harness:
         self.alloc = TokenSlotAllocator(runner.kv_cache.num_slots, runner.device)
         self.pool = ReqToTokenPool(16, runner.context_length, runner.device)
 
-    def extend(self, rows: list[int], prefix_lens: list[int], new_ids: list[list[int]],
-               all_logits: bool = False) -> torch.Tensor:
+    def extend(
+        self, rows: list[int], prefix_lens: list[int], new_ids: list[list[int]], all_logits: bool = False
+    ) -> torch.Tensor:
         locs, positions = [], []
         for row, prefix, ids in zip(rows, prefix_lens, new_ids):
             slots = self.alloc.alloc(len(ids))
@@ -35,19 +36,36 @@ class Harness:
             locs.append(slots)
             positions.append(torch.arange(prefix, prefix + len(ids)))
         batch = ForwardBatch(
-            ForwardMode.EXTEND, torch.tensor(sum(new_ids, [])), torch.cat(positions), torch.cat(locs),
-            torch.tensor(rows), torch.tensor([p + len(i) for p, i in zip(prefix_lens, new_ids)]),
-            [p + len(i) for p, i in zip(prefix_lens, new_ids)], prefix_lens, [len(i) for i in new_ids],
-            self.pool.table, return_all_logits=all_logits)
+            ForwardMode.EXTEND,
+            torch.tensor(sum(new_ids, [])),
+            torch.cat(positions),
+            torch.cat(locs),
+            torch.tensor(rows),
+            torch.tensor([p + len(i) for p, i in zip(prefix_lens, new_ids)]),
+            [p + len(i) for p, i in zip(prefix_lens, new_ids)],
+            prefix_lens,
+            [len(i) for i in new_ids],
+            self.pool.table,
+            return_all_logits=all_logits,
+        )
         return self.runner.forward(batch)
 
     def decode(self, rows: list[int], lens: list[int], tokens: list[int]) -> torch.Tensor:
         slots = self.alloc.alloc(len(rows))
         for i, row in enumerate(rows):
-            self.pool.write(row, lens[i], slots[i:i + 1])
+            self.pool.write(row, lens[i], slots[i : i + 1])
         batch = ForwardBatch(
-            ForwardMode.DECODE, torch.tensor(tokens), torch.tensor(lens), slots, torch.tensor(rows),
-            torch.tensor([n + 1 for n in lens]), [n + 1 for n in lens], lens, [1] * len(rows), self.pool.table)
+            ForwardMode.DECODE,
+            torch.tensor(tokens),
+            torch.tensor(lens),
+            slots,
+            torch.tensor(rows),
+            torch.tensor([n + 1 for n in lens]),
+            [n + 1 for n in lens],
+            lens,
+            [1] * len(rows),
+            self.pool.table,
+        )
         return self.runner.forward(batch)
 
 
@@ -80,7 +98,7 @@ def test_batched_prefill_logits_match_hf(runner, hf, tok):
     start = 0
     for x in ids:
         ref = hf(torch.tensor([x])).logits[0]
-        ours = logits[start:start + len(x)]
+        ours = logits[start : start + len(x)]
         start += len(x)
         torch.testing.assert_close(ours, ref, atol=2e-4, rtol=1e-4)
 
@@ -112,6 +130,11 @@ def test_batched_greedy_decode_matches_hf_generate(runner, hf, tok):
         for o, t in zip(outs, logits.argmax(-1).tolist()):
             o.append(t)
     for x, ours in zip(ids, outs):
-        ref = hf.generate(torch.tensor([x]), attention_mask=torch.ones(1, len(x), dtype=torch.long),
-                          max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, len(x):].tolist()
+        ref = hf.generate(
+            torch.tensor([x]),
+            attention_mask=torch.ones(1, len(x), dtype=torch.long),
+            max_new_tokens=32,
+            min_new_tokens=32,
+            do_sample=False,
+        )[0, len(x) :].tolist()
         assert ours == ref, (tok.decode(ours), tok.decode(ref))

@@ -7,7 +7,6 @@ import json
 import httpx
 import openai
 import pytest
-
 from conftest import wait_pool_whole
 
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
@@ -41,8 +40,14 @@ def test_chat_length_and_content_parts(client, model_name):
 
 def test_chat_stream_matches_non_stream(client, model_name):
     full = client.chat.completions.create(model=model_name, messages=CHAT, temperature=0, max_tokens=20)
-    stream = client.chat.completions.create(model=model_name, messages=CHAT, temperature=0, max_tokens=20,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=model_name,
+        messages=CHAT,
+        temperature=0,
+        max_tokens=20,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -70,35 +75,42 @@ def test_completions_text_and_token_prompt(client, model_name, base_url):
     resp = client.completions.create(model=model_name, prompt="The quick brown fox", max_tokens=8, temperature=0)
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.completion_tokens == 8
-    native = httpx.post(base_url + "/generate", json={
-        "text": "The quick brown fox", "sampling_params": {"max_new_tokens": 8, "temperature": 0}}).json()
+    native = httpx.post(
+        base_url + "/generate",
+        json={"text": "The quick brown fox", "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+    ).json()
     assert native["meta_info"]["prompt_tokens"] == resp.usage.prompt_tokens
     assert native["text"] == resp.choices[0].text
-    by_ids = client.completions.create(model=model_name, prompt=native["output_ids"][:0] + [504, 2365], max_tokens=4,
-                                       temperature=0)
+    by_ids = client.completions.create(
+        model=model_name, prompt=native["output_ids"][:0] + [504, 2365], max_tokens=4, temperature=0
+    )
     assert by_ids.usage.prompt_tokens == 2 and by_ids.usage.completion_tokens == 4
 
 
 def test_completions_batch_prompts_and_stream(client, model_name):
-    resp = client.completions.create(model=model_name, prompt=["One, two,", "Red, green,"], max_tokens=6,
-                                     temperature=0)
+    resp = client.completions.create(model=model_name, prompt=["One, two,", "Red, green,"], max_tokens=6, temperature=0)
     assert [c.index for c in resp.choices] == [0, 1]
     single = client.completions.create(model=model_name, prompt="Red, green,", max_tokens=6, temperature=0)
     assert resp.choices[1].text == single.choices[0].text
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=model_name, prompt="Red, green,", max_tokens=6, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model_name, prompt="Red, green,", max_tokens=6, temperature=0, stream=True
+        )
+        if c.choices
+    )
     assert streamed == single.choices[0].text
 
 
 def test_n_choices(client, model_name):
-    resp = client.chat.completions.create(model=model_name, messages=CHAT, n=4, temperature=1.0, max_tokens=12,
-                                          seed=7)
+    resp = client.chat.completions.create(model=model_name, messages=CHAT, n=4, temperature=1.0, max_tokens=12, seed=7)
     assert sorted(c.index for c in resp.choices) == [0, 1, 2, 3]
     texts = {c.message.content for c in resp.choices}
     assert len(texts) > 1, "sampled choices with different seeds should differ"
     assert resp.usage.completion_tokens <= 4 * 12
-    stream = client.chat.completions.create(model=model_name, messages=CHAT, n=3, temperature=1.0, max_tokens=8,
-                                            seed=7, stream=True)
+    stream = client.chat.completions.create(
+        model=model_name, messages=CHAT, n=3, temperature=1.0, max_tokens=8, seed=7, stream=True
+    )
     per_choice: dict[int, str] = {}
     for chunk in stream:
         for ch in chunk.choices:
@@ -107,8 +119,13 @@ def test_n_choices(client, model_name):
 
 
 def test_seed_reproducibility(client, model_name):
-    kwargs = dict(model=model_name, messages=[{"role": "user", "content": "Tell me a story."}], temperature=1.0,
-                  top_p=0.95, max_tokens=24)
+    kwargs = dict(
+        model=model_name,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        temperature=1.0,
+        top_p=0.95,
+        max_tokens=24,
+    )
     a = client.chat.completions.create(seed=1234, **kwargs).choices[0].message.content
     b = client.chat.completions.create(seed=1234, **kwargs).choices[0].message.content
     c = client.chat.completions.create(seed=999, **kwargs).choices[0].message.content
@@ -120,32 +137,41 @@ def test_stop_strings(client, model_name):
     base = client.completions.create(model=model_name, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0)
     text = base.choices[0].text
     assert " 8" in text, text
-    resp = client.completions.create(model=model_name, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0,
-                                     stop=[" 8", "never"])
+    resp = client.completions.create(
+        model=model_name, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0, stop=[" 8", "never"]
+    )
     assert resp.choices[0].text == text[: text.index(" 8")]
     assert resp.choices[0].finish_reason == "stop"
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=model_name, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0, stop=" 8", stream=True)
-        if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model_name, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0, stop=" 8", stream=True
+        )
+        if c.choices
+    )
     assert streamed == resp.choices[0].text
     # A stop string spanning several tokens.
-    resp2 = client.completions.create(model=model_name, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0,
-                                      stop=[", 9,"])
+    resp2 = client.completions.create(
+        model=model_name, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0, stop=[", 9,"]
+    )
     assert ", 9," not in resp2.choices[0].text and resp2.choices[0].finish_reason == "stop"
 
 
 def test_stop_token_ids_and_ignore_eos(client, model_name):
-    resp = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=20, temperature=0,
-                                          extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert resp.usage.completion_tokens == 20 and resp.choices[0].finish_reason == "length"
-    resp = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=20, temperature=0,
-                                          extra_body={"min_tokens": 15})
+    resp = client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=20, temperature=0, extra_body={"min_tokens": 15}
+    )
     assert resp.usage.completion_tokens >= 15
 
 
 def test_logprobs(client, model_name):
-    resp = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=6, temperature=0,
-                                          logprobs=True, top_logprobs=3)
+    resp = client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = resp.choices[0].logprobs.content
     assert len(content) == resp.usage.completion_tokens
     for tok in content:
@@ -161,31 +187,39 @@ def test_logprobs(client, model_name):
 
 
 def test_logit_bias(client, model_name, base_url):
-    ids = httpx.post(base_url + "/generate", json={
-        "text": "Hello", "sampling_params": {"max_new_tokens": 5, "temperature": 0, "logit_bias": {"28": 100}}}).json()
+    ids = httpx.post(
+        base_url + "/generate",
+        json={"text": "Hello", "sampling_params": {"max_new_tokens": 5, "temperature": 0, "logit_bias": {"28": 100}}},
+    ).json()
     assert ids["output_ids"] == [28] * 5
-    resp = client.completions.create(model=model_name, prompt="Hello", max_tokens=5, temperature=0,
-                                     logit_bias={"28": 100}, logprobs=0)
+    resp = client.completions.create(
+        model=model_name, prompt="Hello", max_tokens=5, temperature=0, logit_bias={"28": 100}, logprobs=0
+    )
     assert resp.choices[0].text == ids["text"]
     banned = client.completions.create(model=model_name, prompt="1, 2, 3,", max_tokens=1, temperature=0)
-    first = httpx.post(base_url + "/generate", json={"text": "1, 2, 3,", "sampling_params": {
-        "max_new_tokens": 1, "temperature": 0}}).json()["output_ids"][0]
-    alt = client.completions.create(model=model_name, prompt="1, 2, 3,", max_tokens=1, temperature=0,
-                                    logit_bias={str(first): -100})
+    first = httpx.post(
+        base_url + "/generate", json={"text": "1, 2, 3,", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    ).json()["output_ids"][0]
+    alt = client.completions.create(
+        model=model_name, prompt="1, 2, 3,", max_tokens=1, temperature=0, logit_bias={str(first): -100}
+    )
     assert alt.choices[0].text != banned.choices[0].text
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    ({"temperature": -0.5}, "temperature"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"n": 0}, "n"),
-    ({"n": 100000}, "n"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 100000}, "max_tokens"),
-    ({"presence_penalty": 5}, "presence_penalty"),
-    ({"top_logprobs": 3}, "top_logprobs"),
-    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
-])
+@pytest.mark.parametrize(
+    "kwargs,param",
+    [
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"n": 100000}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 100000}, "max_tokens"),
+        ({"presence_penalty": 5}, "presence_penalty"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ],
+)
 def test_bad_parameters_are_400(client, model_name, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=model_name, messages=CHAT, **kwargs)
@@ -195,43 +229,63 @@ def test_bad_parameters_are_400(client, model_name, kwargs, param):
 
 
 def test_wrong_types_and_bad_json_are_400(base_url, model_name):
-    r = httpx.post(base_url + "/v1/chat/completions", json={"model": model_name, "messages": CHAT,
-                                                           "temperature": "hot"})
+    r = httpx.post(
+        base_url + "/v1/chat/completions", json={"model": model_name, "messages": CHAT, "temperature": "hot"}
+    )
     assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
     r = httpx.post(base_url + "/v1/chat/completions", json={"model": model_name, "messages": "hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = httpx.post(base_url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(
+        base_url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = httpx.post(base_url + "/v1/completions", json={"model": model_name, "prompt": [10**9]})
     assert r.status_code == 400
     r = httpx.post(base_url + "/generate", json={"text": "hi", "sampling_params": {"temprature": 1}})
     assert r.status_code == 400 and "temprature" in r.json()["error"]["message"]
-    r = httpx.post(base_url + "/v1/chat/completions", json={"model": model_name, "messages": CHAT, "unknown_x": 1,
-                                                           "max_tokens": 2})
+    r = httpx.post(
+        base_url + "/v1/chat/completions", json={"model": model_name, "messages": CHAT, "unknown_x": 1, "max_tokens": 2}
+    )
     assert r.status_code == 200  # unknown fields are ignored, like OpenAI-compatible servers do
 
 
-@pytest.mark.parametrize("path,body,param,fragment", [
-    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, "stream_options",
-     "only allowed when stream is true"),
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
-    ("/v1/chat/completions", {"messages": []}, "messages", "must not be empty"),
-    ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
-    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 5, "max_completion_tokens": 0}, "max_tokens",
-     "at least 1"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 6}, "logprobs", "[0, 5]"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "not supported"),
-    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix", "not supported"),
-    ("/v1/completions", {"prompt": ["One,", "Two,"], "stream": True}, "prompt", "single prompt"),
-    ("/v1/completions", {"prompt": ""}, "prompt", "empty"),
-    ("/v1/completions", {"prompt": ["One,", "hello " * 9000]}, "messages", "context length"),  # any prompt fails all
-    ("/generate", {"text": "hi", "input_ids": [504]}, "text", "exactly one"),
-    ("/generate", {"sampling_params": {"max_new_tokens": 2}}, "text", "exactly one"),
-    ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "temperature", "non-negative"),
-    ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"abc": 1}}}, "logit_bias", "token ids"),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 100000}}, "max_tokens", "context length"),
-    ("/generate", {"input_ids": [10**9]}, "prompt", "vocabulary"),
-])
+@pytest.mark.parametrize(
+    "path,body,param,fragment",
+    [
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "stream_options": {"include_usage": True}},
+            "stream_options",
+            "only allowed when stream is true",
+        ),
+        ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+        ("/v1/chat/completions", {"messages": []}, "messages", "must not be empty"),
+        ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"abc": 1}}, "logit_bias", "token ids"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "max_tokens": 5, "max_completion_tokens": 0},
+            "max_tokens",
+            "at least 1",
+        ),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 6}, "logprobs", "[0, 5]"),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "not supported"),
+        ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix", "not supported"),
+        ("/v1/completions", {"prompt": ["One,", "Two,"], "stream": True}, "prompt", "single prompt"),
+        ("/v1/completions", {"prompt": ""}, "prompt", "empty"),
+        (
+            "/v1/completions",
+            {"prompt": ["One,", "hello " * 9000]},
+            "messages",
+            "context length",
+        ),  # any prompt fails all
+        ("/generate", {"text": "hi", "input_ids": [504]}, "text", "exactly one"),
+        ("/generate", {"sampling_params": {"max_new_tokens": 2}}, "text", "exactly one"),
+        ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "temperature", "non-negative"),
+        ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"abc": 1}}}, "logit_bias", "token ids"),
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 100000}}, "max_tokens", "context length"),
+        ("/generate", {"input_ids": [10**9]}, "prompt", "vocabulary"),
+    ],
+)
 def test_request_rules_are_400(base_url, model_name, path, body, param, fragment):
     r = httpx.post(base_url + path, json={"model": model_name, **body}, timeout=60)
     assert r.status_code == 400, r.text
@@ -240,25 +294,50 @@ def test_request_rules_are_400(base_url, model_name, path, body, param, fragment
 
 
 def test_max_completion_tokens_wins_over_max_tokens(client, model_name):
-    resp = client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=10, max_completion_tokens=3,
-                                          extra_body={"ignore_eos": True})
+    resp = client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=10, max_completion_tokens=3, extra_body={"ignore_eos": True}
+    )
     assert resp.usage.completion_tokens == 3
 
 
 def test_native_and_openai_sample_alike(client, model_name, base_url):
     """/generate and /v1/completions build their sampling params the same way (SGLang's names on /generate)."""
-    native = httpx.post(base_url + "/generate", timeout=60, json={"text": "Once upon a time", "sampling_params": {
-        "max_new_tokens": 12, "min_new_tokens": 2, "temperature": 0.9, "top_k": 0, "sampling_seed": 21, "stop": "."}})
+    native = httpx.post(
+        base_url + "/generate",
+        timeout=60,
+        json={
+            "text": "Once upon a time",
+            "sampling_params": {
+                "max_new_tokens": 12,
+                "min_new_tokens": 2,
+                "temperature": 0.9,
+                "top_k": 0,
+                "sampling_seed": 21,
+                "stop": ".",
+            },
+        },
+    )
     assert native.status_code == 200, native.text
-    resp = client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=12, temperature=0.9,
-                                     seed=21, stop=".", extra_body={"top_k": 0, "min_tokens": 2})
+    resp = client.completions.create(
+        model=model_name,
+        prompt="Once upon a time",
+        max_tokens=12,
+        temperature=0.9,
+        seed=21,
+        stop=".",
+        extra_body={"top_k": 0, "min_tokens": 2},
+    )
     assert native.json()["text"] == resp.choices[0].text
 
 
 def test_native_duplicate_rid_and_abort_request(base_url):
     rid = "test-native-rid"
-    body = {"text": "Count:", "rid": rid, "stream": True,
-            "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    body = {
+        "text": "Count:",
+        "rid": rid,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True},
+    }
     with httpx.stream("POST", base_url + "/generate", json=body, timeout=120) as s:
         lines = s.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
@@ -292,15 +371,24 @@ def test_unknown_model_is_404(client):
 
 
 def test_native_generate(base_url):
-    r = httpx.post(base_url + "/generate", json={"text": "The capital of France is",
-                                                 "sampling_params": {"max_new_tokens": 6, "temperature": 0}})
+    r = httpx.post(
+        base_url + "/generate",
+        json={"text": "The capital of France is", "sampling_params": {"max_new_tokens": 6, "temperature": 0}},
+    )
     body = r.json()
     assert r.status_code == 200 and body["meta_info"]["completion_tokens"] == 6
     assert body["meta_info"]["finish_reason"]["type"] == "length"
     chunks = []
-    with httpx.stream("POST", base_url + "/generate", json={
-            "input_ids": body["output_ids"], "sampling_params": {"max_new_tokens": 4, "temperature": 0},
-            "stream": True}, timeout=60) as s:
+    with httpx.stream(
+        "POST",
+        base_url + "/generate",
+        json={
+            "input_ids": body["output_ids"],
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0},
+            "stream": True,
+        },
+        timeout=60,
+    ) as s:
         for line in s.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunks.append(json.loads(line[6:]))
@@ -316,8 +404,11 @@ def test_client_disconnect_aborts_and_frees_kv(base_url, model_name):
                 break  # leave mid-stream
     # Non-streaming client that gives up.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base_url + "/v1/completions", json={"model": model_name, "prompt": "Go", "max_tokens": 3000,
-                                                      "ignore_eos": True}, timeout=1.5)
+        httpx.post(
+            base_url + "/v1/completions",
+            json={"model": model_name, "prompt": "Go", "max_tokens": 3000, "ignore_eos": True},
+            timeout=1.5,
+        )
     pool = wait_pool_whole(base_url, timeout=30)
     assert pool["used_slots"] == 0, pool
     info = httpx.get(base_url + "/get_server_info").json()

@@ -13,15 +13,27 @@ import json
 import httpx
 import jsonschema
 import pytest
-
 from conftest import start_server, wait_pool_whole
 
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                           "population": {"type": "integer"}},
-          "required": ["city", "population"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-    "required": ["city", "unit"]}}}]
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"],
+            },
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +46,21 @@ def overlap_url(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tight_overlap_url(tmp_path_factory):
     """The overlap loop with the session's tight limits (tests/conftest.py: tight_server): retractions happen."""
-    srv = start_server(str(tmp_path_factory.mktemp("tight-overlap")), "--overlap-schedule", "on",
-                       "--grammar-shards", "2", "--kv-cache-memory-gb", "0.02", "--context-length", "512", "--chunked-prefill-size", "64",
-                       "--kv-reserve-ratio", "0")
+    srv = start_server(
+        str(tmp_path_factory.mktemp("tight-overlap")),
+        "--overlap-schedule",
+        "on",
+        "--grammar-shards",
+        "2",
+        "--kv-cache-memory-gb",
+        "0.02",
+        "--context-length",
+        "512",
+        "--chunked-prefill-size",
+        "64",
+        "--kv-reserve-ratio",
+        "0",
+    )
     yield srv.base_url
     assert srv.stop() == 0, srv.log()[-3000:]
 
@@ -54,20 +78,62 @@ def _bodies(model: str) -> list[tuple[str, dict]]:
     chat = "/v1/chat/completions"
     ask = [{"role": "user", "content": "Name a big city and its population as JSON."}]
     return [
-        ("/v1/completions", {"model": model, "prompt": "The capital of France is", "max_tokens": 24,
-                             "temperature": 0, "logprobs": 3}),
-        ("/v1/completions", {"model": model, "prompt": "Once upon a time", "max_tokens": 20, "temperature": 0.9,
-                             "seed": 11, "n": 3}),
-        ("/v1/completions", {"model": model, "prompt": "List: 1, 2,", "max_tokens": 30, "temperature": 0,
-                             "stop": [" 6"]}),
-        (chat, {"model": model, "messages": ask, "max_tokens": 60, "temperature": 0,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}}),
-        (chat, {"model": model, "messages": ask, "max_tokens": 60, "temperature": 0.7, "seed": 3, "n": 2,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}}}),
-        (chat, {"model": model, "messages": [{"role": "user", "content": "Weather in Rome?"}], "tools": TOOLS,
-                "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 60, "temperature": 0}),
-        (chat, {"model": model, "messages": [{"role": "user", "content": "A phone number?"}], "max_tokens": 12,
-                "temperature": 0, "regex": r"\d{3}-\d{4}"}),
+        (
+            "/v1/completions",
+            {"model": model, "prompt": "The capital of France is", "max_tokens": 24, "temperature": 0, "logprobs": 3},
+        ),
+        (
+            "/v1/completions",
+            {"model": model, "prompt": "Once upon a time", "max_tokens": 20, "temperature": 0.9, "seed": 11, "n": 3},
+        ),
+        (
+            "/v1/completions",
+            {"model": model, "prompt": "List: 1, 2,", "max_tokens": 30, "temperature": 0, "stop": [" 6"]},
+        ),
+        (
+            chat,
+            {
+                "model": model,
+                "messages": ask,
+                "max_tokens": 60,
+                "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
+            },
+        ),
+        (
+            chat,
+            {
+                "model": model,
+                "messages": ask,
+                "max_tokens": 60,
+                "temperature": 0.7,
+                "seed": 3,
+                "n": 2,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": SCHEMA}},
+            },
+        ),
+        (
+            chat,
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": "Weather in Rome?"}],
+                "tools": TOOLS,
+                "tool_choice": "required",
+                "parallel_tool_calls": False,
+                "max_tokens": 60,
+                "temperature": 0,
+            },
+        ),
+        (
+            chat,
+            {
+                "model": model,
+                "messages": [{"role": "user", "content": "A phone number?"}],
+                "max_tokens": 12,
+                "temperature": 0,
+                "regex": r"\d{3}-\d{4}",
+            },
+        ),
     ]
 
 
@@ -122,6 +188,7 @@ def test_same_answers_as_the_plain_schedule(base_url, overlap_url, model_name):
 def test_two_grammar_processes_answer_like_one(base_url, sharded_plain_url, model_name):
     """The plain loop with two grammar processes gives exactly the one-process answers (constrained JSON, tool
     calls, regex; n > 1 spreads one request's choices over both), and every matcher is freed afterwards."""
+
     async def run_all(url):
         async with httpx.AsyncClient(timeout=300) as client:
             rs = await asyncio.gather(*[client.post(url + path, json=body) for path, body in _bodies(model_name)])
@@ -142,23 +209,38 @@ def test_two_grammar_processes_answer_like_one(base_url, sharded_plain_url, mode
 def test_many_constrained_streams_with_disconnects(overlap_url, model_name):
     """Constrained requests that share batches, finish at different steps, and hang up with tokens in flight:
     every finished output is valid, and every grammar slot and KV slot comes back."""
-    schemas = [SCHEMA, {"type": "array", "items": {"type": "integer"}, "maxItems": 5},
-               {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
-               {"enum": ["red", "green", "blue"]}]
+    schemas = [
+        SCHEMA,
+        {"type": "array", "items": {"type": "integer"}, "maxItems": 5},
+        {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+        {"enum": ["red", "green", "blue"]},
+    ]
 
     async def run():
         async with httpx.AsyncClient(timeout=300) as client:
+
             async def complete(i):
                 schema = schemas[i % len(schemas)]
-                body = {"model": model_name, "messages": [{"role": "user", "content": f"JSON please ({i})"}],
-                        "max_tokens": 40 + 7 * i, "temperature": 0.8, "seed": i,
-                        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+                body = {
+                    "model": model_name,
+                    "messages": [{"role": "user", "content": f"JSON please ({i})"}],
+                    "max_tokens": 40 + 7 * i,
+                    "temperature": 0.8,
+                    "seed": i,
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+                }
                 r = await client.post(overlap_url + "/v1/chat/completions", json=body)
                 return schema, r.json()["choices"][0]
 
             async def hang_up(i):
-                body = {"model": model_name, "messages": [{"role": "user", "content": "JSON list"}], "stream": True,
-                        "max_tokens": 200, "seed": i, "response_format": {"type": "json_object"}}
+                body = {
+                    "model": model_name,
+                    "messages": [{"role": "user", "content": "JSON list"}],
+                    "stream": True,
+                    "max_tokens": 200,
+                    "seed": i,
+                    "response_format": {"type": "json_object"},
+                }
                 async with client.stream("POST", overlap_url + "/v1/chat/completions", json=body) as r:
                     async for line in r.aiter_lines():
                         if line.startswith("data: "):
@@ -190,12 +272,15 @@ def test_streaming_and_disconnects_free_everything(overlap_url, model_name):
 
     async def hang_up():  # clients that leave mid-stream: their requests are aborted with tokens in flight
         async with httpx.AsyncClient(timeout=120) as client:
+
             async def one(i):
-                async with client.stream("POST", overlap_url + "/v1/completions",
-                                         json={**body, "max_tokens": 400, "stream": True, "seed": i}) as r:
+                async with client.stream(
+                    "POST", overlap_url + "/v1/completions", json={**body, "max_tokens": 400, "stream": True, "seed": i}
+                ) as r:
                     async for line in r.aiter_lines():
                         if line.startswith("data: "):
                             return
+
             await asyncio.gather(*[one(i) for i in range(6)])
 
     asyncio.run(hang_up())
@@ -208,14 +293,21 @@ def test_streaming_and_disconnects_free_everything(overlap_url, model_name):
 def test_constrained_requests_retracted_under_overlap(tight_overlap_url, model_name):
     """More constrained work than the KV pool holds, under overlap: requests are retracted and resumed (their
     grammar slots are given up and their masks filled again), and each output is exactly what it is alone."""
-    schema = {"type": "object", "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
-              "required": ["notes"]}
+    schema = {
+        "type": "object",
+        "properties": {"notes": {"type": "array", "items": {"type": "string"}}},
+        "required": ["notes"],
+    }
     url = tight_overlap_url
 
     def one(i):
-        body = {"model": model_name, "max_tokens": 48, "temperature": 0,
-                "messages": [{"role": "user", "content": f"Write about the number {i}. " * 6}],
-                "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+        body = {
+            "model": model_name,
+            "max_tokens": 48,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": f"Write about the number {i}. " * 6}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        }
         return httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()["choices"][0]
 
     with concurrent.futures.ThreadPoolExecutor(6) as ex:

@@ -241,7 +241,6 @@ def test_evict_many_small_steps_is_fast():
     assert time.perf_counter() - t0 < 10
 
 
-
 def test_lru_heap_stays_bounded_under_repeated_hits():
     alloc, cache = make()
     put(cache, [1, 2, 3])
@@ -321,8 +320,8 @@ class Harness:
             already = self.cache.insert(toks, slots[:n], namespace=r["ns"])
             assert already == expect >= min(r["matched"], n)
             # caller's duplicates are [matched, already); tail beyond n was never cached
-            self.alloc.free(slots[r["matched"]:already])
-            self.alloc.free(slots[max(n, r["matched"]):])
+            self.alloc.free(slots[r["matched"] : already])
+            self.alloc.free(slots[max(n, r["matched"]) :])
             for i in range(already, n):
                 self.model[(r["ns"], tuple(toks[: i + 1]))] = int(slots[i])
         else:
@@ -381,9 +380,9 @@ class Harness:
 
     def step(self):
         op = self.rng.choices(
-            [self.op_admit, self.op_finish, lambda: self.op_finish(False), self.op_probe, self.op_evict,
-             self.op_reset],
-            weights=[30, 20, 4, 15, 8, 1])[0]
+            [self.op_admit, self.op_finish, lambda: self.op_finish(False), self.op_probe, self.op_evict, self.op_reset],
+            weights=[30, 20, 4, 15, 8, 1],
+        )[0]
         op()
         self.check()
 
@@ -401,8 +400,12 @@ class Harness:
 @pytest.mark.parametrize("seed", range(40))
 def test_random_ops(seed):
     rng = random.Random(seed)
-    h = Harness(rng, size=rng.choice([8, 16, 40, 200]), alphabet=rng.choice([2, 3, 4]),
-                namespaces=rng.choice([(None,), (None, "a"), (None, "a", ("mm", 1))]))
+    h = Harness(
+        rng,
+        size=rng.choice([8, 16, 40, 200]),
+        alphabet=rng.choice([2, 3, 4]),
+        namespaces=rng.choice([(None,), (None, "a"), (None, "a", ("mm", 1))]),
+    )
     for _ in range(250):
         h.step()
     h.drain()
@@ -416,9 +419,15 @@ except ImportError:  # pragma: no cover - the seeded loops above still cover the
 
 
 if st is not None:
+
     @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(seed=st.integers(0, 2**32 - 1), size=st.integers(1, 64), alphabet=st.integers(1, 4),
-           n_ns=st.integers(1, 3), n_ops=st.integers(0, 120))
+    @given(
+        seed=st.integers(0, 2**32 - 1),
+        size=st.integers(1, 64),
+        alphabet=st.integers(1, 4),
+        n_ns=st.integers(1, 3),
+        n_ops=st.integers(0, 120),
+    )
     def test_random_ops_hypothesis(seed, size, alphabet, n_ns, n_ops):
         h = Harness(random.Random(seed), size=size, alphabet=alphabet, namespaces=(None, "a", "b")[:n_ns])
         for _ in range(n_ops):

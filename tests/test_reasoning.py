@@ -13,12 +13,13 @@ import re
 import httpx
 import jsonschema
 import pytest
-
 from conftest import start_server
 
-REPEAT = [{"role": "user", "content": "Repeat after me exactly: I am thinking.</think>123"},
-          {"role": "assistant", "content": "I am thinking.</think>123"},
-          {"role": "user", "content": "Again, exactly the same: I am thinking.</think>123"}]
+REPEAT = [
+    {"role": "user", "content": "Repeat after me exactly: I am thinking.</think>123"},
+    {"role": "assistant", "content": "I am thinking.</think>123"},
+    {"role": "user", "content": "Again, exactly the same: I am thinking.</think>123"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,9 @@ def r1_url(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def r1_overlap_url(tmp_path_factory):
-    srv = start_server(str(tmp_path_factory.mktemp("r1o")), "--reasoning-parser", "deepseek-r1",
-                       "--overlap-schedule", "on")
+    srv = start_server(
+        str(tmp_path_factory.mktemp("r1o")), "--reasoning-parser", "deepseek-r1", "--overlap-schedule", "on"
+    )
     yield srv.base_url + "/v1/chat/completions"
     assert srv.stop() == 0, srv.log()[-3000:]
 
@@ -53,19 +55,34 @@ def test_grammar_starts_after_the_reasoning(r1_url):
     choice = chat(r1_url, messages=REPEAT, regex="[a-z]{3}")
     assert choice["message"]["reasoning_content"] == "I am thinking."
     assert re.fullmatch("[a-z]{3}", choice["message"]["content"])
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
-              "required": ["n"], "additionalProperties": False}
-    choice = chat(r1_url, messages=REPEAT, response_format={"type": "json_schema",
-                                                            "json_schema": {"name": "n", "schema": schema}})
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    choice = chat(
+        r1_url, messages=REPEAT, response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    )
     assert choice["message"]["reasoning_content"] == "I am thinking."
     jsonschema.validate(json.loads(choice["message"]["content"]), schema)
 
 
 def test_tool_call_after_reasoning(r1_url):
-    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
-        "type": "object", "properties": {"code": {"type": "integer"}}, "required": ["code"]}}}
-    choice = chat(r1_url, messages=REPEAT, tools=[tool], max_tokens=60,
-                  tool_choice={"type": "function", "function": {"name": "lookup"}})
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {"type": "object", "properties": {"code": {"type": "integer"}}, "required": ["code"]},
+        },
+    }
+    choice = chat(
+        r1_url,
+        messages=REPEAT,
+        tools=[tool],
+        max_tokens=60,
+        tool_choice={"type": "function", "function": {"name": "lookup"}},
+    )
     assert choice["message"]["reasoning_content"] == "I am thinking."
     (call,) = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "lookup"
@@ -88,9 +105,19 @@ def test_separate_reasoning_false_keeps_the_text(r1_url):
 def test_streamed_reasoning_matches(r1_url):
     whole = chat(r1_url, messages=REPEAT, regex="[a-z]{3}")
     reasoning = content = ""
-    with httpx.stream("POST", r1_url, timeout=120, json={
-            "model": "default", "messages": REPEAT, "max_tokens": 40, "temperature": 0, "stream": True,
-            "regex": "[a-z]{3}"}) as r:
+    with httpx.stream(
+        "POST",
+        r1_url,
+        timeout=120,
+        json={
+            "model": "default",
+            "messages": REPEAT,
+            "max_tokens": 40,
+            "temperature": 0,
+            "stream": True,
+            "regex": "[a-z]{3}",
+        },
+    ) as r:
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 for c in json.loads(line[6:])["choices"]:

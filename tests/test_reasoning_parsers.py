@@ -12,8 +12,20 @@ from gramserve.parsers.reasoning import REASONING_PARSERS, get_reasoning_parser
 
 # (parser, chat_template_kwargs, output, expected reasoning, expected content)
 CASES = [
-    ("deepseek-r1", None, "<think>\nThe user wants 2+2.\n</think>\n\nThe answer is 4.", "The user wants 2+2.", "The answer is 4."),
-    ("deepseek-r1", None, "The user wants 2+2.\n</think>\n\nThe answer is 4.", "The user wants 2+2.", "The answer is 4."),
+    (
+        "deepseek-r1",
+        None,
+        "<think>\nThe user wants 2+2.\n</think>\n\nThe answer is 4.",
+        "The user wants 2+2.",
+        "The answer is 4.",
+    ),
+    (
+        "deepseek-r1",
+        None,
+        "The user wants 2+2.\n</think>\n\nThe answer is 4.",
+        "The user wants 2+2.",
+        "The answer is 4.",
+    ),
     ("deepseek-r1", None, "Still thinking about a < b and </thi", "Still thinking about a < b and </thi", None),
     ("deepseek-r1", None, "<think>\ncut off mid-thought", "cut off mid-thought", None),
     ("deepseek-r1", None, "</think>Just the answer.", None, "Just the answer."),

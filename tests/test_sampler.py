@@ -52,7 +52,8 @@ def assert_matches(emp: torch.Tensor, expected: torch.Tensor, n: int, sigmas: fl
     diff = (emp - expected).abs()
     worst = int((diff - tol).argmax())
     assert bool((diff <= tol).all()), (
-        f"token {worst}: empirical {emp[worst]:.4f} vs expected {expected[worst]:.4f} (tol {tol[worst]:.4f})")
+        f"token {worst}: empirical {emp[worst]:.4f} vs expected {expected[worst]:.4f} (tol {tol[worst]:.4f})"
+    )
 
 
 # ---------------------------------------------------------------- greedy
@@ -328,8 +329,10 @@ def test_logit_bias_bans_a_token(sampler):
 
 def test_logit_bias_is_per_row(sampler):
     logits = torch.zeros(2, V)
-    rows = [row(SamplingParams(temperature=0.0, logit_bias={7: 5.0})),
-            row(SamplingParams(temperature=0.0, logit_bias={9: 5.0}))]
+    rows = [
+        row(SamplingParams(temperature=0.0, logit_bias={7: 5.0})),
+        row(SamplingParams(temperature=0.0, logit_bias={9: 5.0})),
+    ]
     assert sampler.sample(logits, rows).token_ids == [7, 9]
 
 
@@ -372,8 +375,11 @@ def test_pad_columns_are_never_chosen():
 def test_logprobs_are_of_the_penalized_logits(sampler):
     logits = rand_logits(14, b=3)
     rows = [
-        row(SamplingParams(temperature=1.0, frequency_penalty=0.7, repetition_penalty=1.3,
-                           logit_bias={5: 2.0}), prompt=[1, 2], out=[3, 3, 4]),
+        row(
+            SamplingParams(temperature=1.0, frequency_penalty=0.7, repetition_penalty=1.3, logit_bias={5: 2.0}),
+            prompt=[1, 2],
+            out=[3, 3, 4],
+        ),
         row(SamplingParams(temperature=0.0, presence_penalty=-0.5), out=[6]),
         row(SamplingParams(temperature=0.7, top_k=10)),
     ]
@@ -420,32 +426,35 @@ def test_logprob_counts(sampler):
 # ---------------------------------------------------------------- SamplingParams.validate
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    (dict(max_new_tokens=0), "max_tokens"),
-    (dict(min_new_tokens=-1), "min_tokens"),
-    (dict(max_new_tokens=3, min_new_tokens=4), "min_tokens"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.01), "top_p"),
-    (dict(top_p=float("nan")), "top_p"),
-    (dict(top_k=-2), "top_k"),
-    (dict(min_p=-0.01), "min_p"),
-    (dict(min_p=1.5), "min_p"),
-    (dict(frequency_penalty=2.5), "frequency_penalty"),
-    (dict(frequency_penalty=-2.01), "frequency_penalty"),
-    (dict(presence_penalty=-3.0), "presence_penalty"),
-    (dict(presence_penalty=float("nan")), "presence_penalty"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(repetition_penalty=2.5), "repetition_penalty"),
-    (dict(logit_bias={V: 1.0}), "logit_bias"),
-    (dict(logit_bias={-1: 1.0}), "logit_bias"),
-    (dict(logit_bias={3: 100.5}), "logit_bias"),
-    (dict(logit_bias={3: float("nan")}), "logit_bias"),
-    (dict(stop_token_ids=(V,)), "stop_token_ids"),
-    (dict(stop=("ok", "")), "stop"),
-    (dict(stop=tuple(f"s{i}" for i in range(17))), "stop"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(max_new_tokens=0), "max_tokens"),
+        (dict(min_new_tokens=-1), "min_tokens"),
+        (dict(max_new_tokens=3, min_new_tokens=4), "min_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.01), "top_p"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=-0.01), "min_p"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(frequency_penalty=2.5), "frequency_penalty"),
+        (dict(frequency_penalty=-2.01), "frequency_penalty"),
+        (dict(presence_penalty=-3.0), "presence_penalty"),
+        (dict(presence_penalty=float("nan")), "presence_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=2.5), "repetition_penalty"),
+        (dict(logit_bias={V: 1.0}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={3: 100.5}), "logit_bias"),
+        (dict(logit_bias={3: float("nan")}), "logit_bias"),
+        (dict(stop_token_ids=(V,)), "stop_token_ids"),
+        (dict(stop=("ok", "")), "stop"),
+        (dict(stop=tuple(f"s{i}" for i in range(17))), "stop"),
+    ],
+)
 def test_validate_rejects(kwargs, param):
     with pytest.raises(SamplingParamsError) as exc:
         SamplingParams(**kwargs).validate(V)
@@ -453,15 +462,18 @@ def test_validate_rejects(kwargs, param):
     assert isinstance(exc.value, ValueError)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(),
-    dict(max_new_tokens=1, min_new_tokens=1),
-    dict(temperature=0.0, top_p=1.0, top_k=0, min_p=1.0),
-    dict(top_k=-1, top_p=1e-6, min_p=0.0),
-    dict(frequency_penalty=-2.0, presence_penalty=2.0, repetition_penalty=2.0),
-    dict(logit_bias={0: -100.0, V - 1: 100.0}, stop_token_ids=(0, V - 1)),
-    dict(stop=tuple(f"s{i}" for i in range(16))),
-])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(max_new_tokens=1, min_new_tokens=1),
+        dict(temperature=0.0, top_p=1.0, top_k=0, min_p=1.0),
+        dict(top_k=-1, top_p=1e-6, min_p=0.0),
+        dict(frequency_penalty=-2.0, presence_penalty=2.0, repetition_penalty=2.0),
+        dict(logit_bias={0: -100.0, V - 1: 100.0}, stop_token_ids=(0, V - 1)),
+        dict(stop=tuple(f"s{i}" for i in range(16))),
+    ],
+)
 def test_validate_accepts(kwargs):
     SamplingParams(**kwargs).validate(V)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from decimal import Decimal
 import os
 import re
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
@@ -27,8 +27,12 @@ class Person(BaseModel):
 
 def test_parse_with_pydantic_model(client, model_name):
     completion = client.chat.completions.parse(
-        model=model_name, messages=[{"role": "user", "content": "Describe a person named Ada, aged 36."}],
-        response_format=Person, max_tokens=200, temperature=0)
+        model=model_name,
+        messages=[{"role": "user", "content": "Describe a person named Ada, aged 36."}],
+        response_format=Person,
+        max_tokens=200,
+        temperature=0,
+    )
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
     person = choice.message.parsed
@@ -37,13 +41,32 @@ def test_parse_with_pydantic_model(client, model_name):
 
 
 def test_json_object_and_schema_variants(base_url, model_name):
-    for rf in ({"type": "json_object"},
-               {"type": "json_schema", "json_schema": {"name": "x", "strict": False, "schema": {
-                   "type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
-                   "required": ["city", "population"]}}}):
-        r = httpx.post(base_url + "/v1/chat/completions", timeout=120, json={
-            "model": model_name, "messages": [{"role": "user", "content": "Give me a city as JSON."}],
-            "response_format": rf, "max_tokens": 120, "temperature": 0})
+    for rf in (
+        {"type": "json_object"},
+        {
+            "type": "json_schema",
+            "json_schema": {
+                "name": "x",
+                "strict": False,
+                "schema": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+                    "required": ["city", "population"],
+                },
+            },
+        },
+    ):
+        r = httpx.post(
+            base_url + "/v1/chat/completions",
+            timeout=120,
+            json={
+                "model": model_name,
+                "messages": [{"role": "user", "content": "Give me a city as JSON."}],
+                "response_format": rf,
+                "max_tokens": 120,
+                "temperature": 0,
+            },
+        )
         body = r.json()
         assert r.status_code == 200, body
         assert body["grammar_backend"] in ("xgrammar", "llguidance")
@@ -55,23 +78,47 @@ def test_json_object_and_schema_variants(base_url, model_name):
 
 def test_regex_ebnf_choice(client, model_name, base_url):
     pattern = r"\d{3}-\d{4}"
-    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "A phone number?"}],
-                                       max_tokens=20, temperature=0, extra_body={"regex": pattern})
+    r = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "A phone number?"}],
+        max_tokens=20,
+        temperature=0,
+        extra_body={"regex": pattern},
+    )
     assert re.fullmatch(pattern, r.choices[0].message.content)
     ebnf = 'root ::= "The answer is " ("yes" | "no") "."'
-    r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Is it raining?"}],
-                                       max_tokens=20, temperature=0, extra_body={"ebnf": ebnf})
+    r = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Is it raining?"}],
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ebnf": ebnf},
+    )
     assert r.choices[0].message.content in ("The answer is yes.", "The answer is no.")
     choices = ["positive", "negative", "neutral"]
     for body in ({"structured_outputs": {"choice": choices}}, {"guided_choice": choices}):
-        r = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "I love it!"}],
-                                           max_tokens=10, temperature=0.8, seed=1, extra_body=body)
+        r = client.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": "I love it!"}],
+            max_tokens=10,
+            temperature=0.8,
+            seed=1,
+            extra_body=body,
+        )
         assert r.choices[0].message.content in choices
-    gen = httpx.post(base_url + "/generate", timeout=60, json={
-        "text": "Answer: ", "sampling_params": {"max_new_tokens": 10, "regex": "(yes|no)"}}).json()
+    gen = httpx.post(
+        base_url + "/generate",
+        timeout=60,
+        json={"text": "Answer: ", "sampling_params": {"max_new_tokens": 10, "regex": "(yes|no)"}},
+    ).json()
     assert gen["text"] in ("yes", "no") and gen["meta_info"]["finish_reason"]["type"] == "stop"
-    comp = client.completions.create(model=model_name, prompt="Numbers: ", max_tokens=40, temperature=0,
-                                     extra_body={"regex": "[0-9]{1,3}(, [0-9]{1,3}){2}"})
+    comp = client.completions.create(
+        model=model_name,
+        prompt="Numbers: ",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"regex": "[0-9]{1,3}(, [0-9]{1,3}){2}"},
+    )
     assert re.fullmatch("[0-9]{1,3}(, [0-9]{1,3}){2}", comp.choices[0].text)
     assert comp.choices[0].finish_reason == "stop"
 
@@ -79,53 +126,96 @@ def test_regex_ebnf_choice(client, model_name, base_url):
 def test_streaming_constrained(client, model_name):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     stream = client.chat.completions.create(
-        model=model_name, messages=[{"role": "user", "content": "Is water wet?"}], max_tokens=50, temperature=0,
-        stream=True, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+        model=model_name,
+        messages=[{"role": "user", "content": "Is water wet?"}],
+        max_tokens=50,
+        temperature=0,
+        stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     jsonschema.validate(json.loads(text), schema)
 
 
 @pytest.mark.parametrize("backend", ["llguidance", "outlines"])
 def test_other_backends_per_request(client, model_name, backend):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "n": {"type": "integer"}},
-              "required": ["name", "n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "n": {"type": "integer"}},
+        "required": ["name", "n"],
+        "additionalProperties": False,
+    }
     r = client.chat.completions.create(
-        model=model_name, messages=[{"role": "user", "content": "Name and a number, as JSON."}], max_tokens=80,
-        temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
-        extra_body={"grammar_backend": backend})
+        model=model_name,
+        messages=[{"role": "user", "content": "Name and a number, as JSON."}],
+        max_tokens=80,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+        extra_body={"grammar_backend": backend},
+    )
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     assert r.model_extra["grammar_backend"] == backend
 
 
 def test_auto_falls_back(base_url, model_name):
     # outlines-core has no EBNF: with `auto` the request is served by a backend that does.
-    r = httpx.post(base_url + "/v1/completions", timeout=60, json={
-        "model": model_name, "prompt": "x", "max_tokens": 5, "ebnf": 'root ::= "ok"', "grammar_backend": "outlines"})
+    r = httpx.post(
+        base_url + "/v1/completions",
+        timeout=60,
+        json={
+            "model": model_name,
+            "prompt": "x",
+            "max_tokens": 5,
+            "ebnf": 'root ::= "ok"',
+            "grammar_backend": "outlines",
+        },
+    )
     assert r.status_code == 400 and "outlines" in r.json()["error"]["message"]
-    r = httpx.post(base_url + "/v1/completions", timeout=60, json={
-        "model": model_name, "prompt": "x", "max_tokens": 5, "ebnf": 'root ::= "ok"', "grammar_backend": "auto"})
+    r = httpx.post(
+        base_url + "/v1/completions",
+        timeout=60,
+        json={"model": model_name, "prompt": "x", "max_tokens": 5, "ebnf": 'root ::= "ok"', "grammar_backend": "auto"},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
 
 
-@pytest.mark.parametrize("body,fragment", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": "{not json"}}}, "not valid JSON"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objekt"}}}}, ""),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "schema"),
-    ({"response_format": {"type": "yaml"}}, "not supported"),
-    ({"regex": "(unclosed"}, ""),
-    ({"ebnf": "root ::= missing_rule"}, ""),
-    ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one"),
-    ({"guided_choice": []}, "non-empty"),
-    ({"grammar_backend": "nope", "regex": "a"}, "grammar_backend"),
-])
+@pytest.mark.parametrize(
+    "body,fragment",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": "{not json"}}},
+            "not valid JSON",
+        ),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "objekt"}}}}, ""),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "schema"),
+        ({"response_format": {"type": "yaml"}}, "not supported"),
+        ({"regex": "(unclosed"}, ""),
+        ({"ebnf": "root ::= missing_rule"}, ""),
+        ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one"),
+        ({"guided_choice": []}, "non-empty"),
+        ({"grammar_backend": "nope", "regex": "a"}, "grammar_backend"),
+    ],
+)
 def test_bad_constraints_are_400(base_url, model_name, body, fragment):
-    r = httpx.post(base_url + "/v1/chat/completions", timeout=60, json={
-        "model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **body})
+    r = httpx.post(
+        base_url + "/v1/chat/completions",
+        timeout=60,
+        json={"model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, **body},
+    )
     assert r.status_code == 400, r.text
     assert fragment in r.json()["error"]["message"]
     # and the same through streaming: still a clean 400 before the stream starts
-    r = httpx.post(base_url + "/v1/chat/completions", timeout=60, json={
-        "model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True, **body})
+    r = httpx.post(
+        base_url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": model_name,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "stream": True,
+            **body,
+        },
+    )
     assert r.status_code == 400
 
 
@@ -133,15 +223,31 @@ def test_schema_limits(base_url, model_name):
     deep: dict = {"type": "string"}
     for _ in range(100):
         deep = {"type": "object", "properties": {"a": deep}}
-    r = httpx.post(base_url + "/v1/chat/completions", timeout=60, json={
-        "model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": deep}}})
+    r = httpx.post(
+        base_url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": model_name,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "d", "schema": deep}},
+        },
+    )
     assert r.status_code == 400 and "deeper" in r.json()["error"]["message"]
-    huge = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100}
-                                             for i in range(3000)}}
-    r = httpx.post(base_url + "/v1/chat/completions", timeout=60, json={
-        "model": model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "h", "schema": huge}}})
+    huge = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "description": "x" * 100} for i in range(3000)},
+    }
+    r = httpx.post(
+        base_url + "/v1/chat/completions",
+        timeout=60,
+        json={
+            "model": model_name,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 5,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "h", "schema": huge}},
+        },
+    )
     assert r.status_code == 400 and "limit" in r.json()["error"]["message"]
 
 
@@ -167,9 +273,13 @@ def test_corpus_schemas_validate_end_to_end(make_async_client, model_name, base_
         async with sem:
             try:
                 r = await client.chat.completions.create(
-                    model=model_name, max_tokens=256, temperature=0.7, seed=0,
+                    model=model_name,
+                    max_tokens=256,
+                    temperature=0.7,
+                    seed=0,
                     messages=[{"role": "user", "content": PROMPT.format(schema=json.dumps(schema)[:600])}],
-                    response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+                    response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+                )
             except openai.BadRequestError as exc:
                 return name, "rejected", str(exc)
             return name, r.choices[0].finish_reason, r.choices[0].message.content
@@ -198,8 +308,10 @@ def test_corpus_schemas_validate_end_to_end(make_async_client, model_name, base_
             print(f"INVALID {name}: {errors[0]}\n{content[:300]}")
     rejected = sum(1 for _, f, _ in results if f == "rejected")
     truncated = sum(1 for _, f, _ in results if f == "length")
-    print(f"corpus e2e: {len(results)} schemas, {rejected} rejected (400), {finished} finished, "
-          f"{truncated} hit max_tokens, {invalid} invalid")
+    print(
+        f"corpus e2e: {len(results)} schemas, {rejected} rejected (400), {finished} finished, "
+        f"{truncated} hit max_tokens, {invalid} invalid"
+    )
     assert finished >= 0.5 * len(results)
     assert invalid == 0
     from conftest import wait_pool_whole
@@ -208,9 +320,11 @@ def test_corpus_schemas_validate_end_to_end(make_async_client, model_name, base_
 
 
 # Compiling this takes seconds on xgrammar (a counted repetition of a bounded group).
-SLOW_SCHEMA = {"type": "object", "properties": {"code": {"type": "string",
-                                                         "pattern": "^([a-z0-9]{5,50}-){20,40}$"}},
-               "required": ["code"]}
+SLOW_SCHEMA = {
+    "type": "object",
+    "properties": {"code": {"type": "string", "pattern": "^([a-z0-9]{5,50}-){20,40}$"}},
+    "required": ["code"],
+}
 
 
 def test_compile_timeout_is_400_and_others_keep_running(tight_server):
@@ -220,9 +334,16 @@ def test_compile_timeout_is_400_and_others_keep_running(tight_server):
 
     async def run():
         async with httpx.AsyncClient(timeout=120) as client:
-            slow = asyncio.create_task(client.post(url + "/v1/completions", json={
-                **body, "grammar_backend": "xgrammar",
-                "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SLOW_SCHEMA}}}))
+            slow = asyncio.create_task(
+                client.post(
+                    url + "/v1/completions",
+                    json={
+                        **body,
+                        "grammar_backend": "xgrammar",
+                        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SLOW_SCHEMA}},
+                    },
+                )
+            )
             fast = []
             while not slow.done():
                 t0 = asyncio.get_running_loop().time()
@@ -239,19 +360,28 @@ def test_compile_timeout_is_400_and_others_keep_running(tight_server):
 
 def test_mixed_constrained_and_plain_traffic(make_async_client, model_name, base_url):
     client = make_async_client()
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "word": {"type": "string", "maxLength": 12}},
-              "required": ["n", "word"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}, "word": {"type": "string", "maxLength": 12}},
+        "required": ["n", "word"],
+        "additionalProperties": False,
+    }
 
     async def constrained(i):
         r = await client.chat.completions.create(
-            model=model_name, messages=[{"role": "user", "content": f"Give a number and a word, #{i}"}],
-            max_tokens=60, temperature=0.7, seed=i,
-            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+            model=model_name,
+            messages=[{"role": "user", "content": f"Give a number and a word, #{i}"}],
+            max_tokens=60,
+            temperature=0.7,
+            seed=i,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        )
         return r.choices[0]
 
     async def plain(i):
-        r = await client.completions.create(model=model_name, prompt=f"Story {i}:", max_tokens=24,
-                                            temperature=0, extra_body={"ignore_eos": True})
+        r = await client.completions.create(
+            model=model_name, prompt=f"Story {i}:", max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
         return r.choices[0]
 
     async def run():

@@ -56,8 +56,13 @@ def check_call(name: str, arguments: str) -> dict:
 
 
 def test_named_function_call(client, model_name):
-    r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, max_tokens=80,
-                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = client.chat.completions.create(
+        model=model_name,
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=80,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "stop"
     assert choice.message.content is None
@@ -69,8 +74,16 @@ def test_named_function_call(client, model_name):
 
 
 def test_required_calls_validate(client, model_name):
-    r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, tool_choice="required",
-                                       max_tokens=160, temperature=0.7, seed=3, n=3)
+    r = client.chat.completions.create(
+        model=model_name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=160,
+        temperature=0.7,
+        seed=3,
+        n=3,
+    )
     # The small model tends to repeat calls until max_tokens; every complete call returned must be valid.
     for choice in r.choices:
         assert choice.finish_reason in ("tool_calls", "length")
@@ -84,8 +97,9 @@ def test_required_calls_validate(client, model_name):
 
 
 def test_parallel_tool_calls_false_gives_one_call(client, model_name):
-    r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=120)
+    r = client.chat.completions.create(
+        model=model_name, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=120
+    )
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert len(choice.message.tool_calls) == 1
@@ -96,14 +110,24 @@ def test_auto_calls_that_start_are_valid(client, model_name):
     # A history of earlier calls makes the small model open a call; whatever it opens must be valid.
     history = [
         {"role": "user", "content": "Weather in Rome in celsius?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": json.dumps({"city": "Rome", "unit": "celsius"})}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": "Rome", "unit": "celsius"})},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "21 C, sunny"},
         {"role": "assistant", "content": "It is 21 C and sunny in Rome."},
         {"role": "user", "content": "Weather in Oslo in fahrenheit?"},
     ]
-    r = client.chat.completions.create(model=model_name, messages=history, tools=TOOLS, max_tokens=120,
-                                       temperature=0.8, seed=7, n=4)
+    r = client.chat.completions.create(
+        model=model_name, messages=history, tools=TOOLS, max_tokens=120, temperature=0.8, seed=7, n=4
+    )
     for choice in r.choices:
         for call in choice.message.tool_calls or []:
             check_call(call.function.name, call.function.arguments)
@@ -114,8 +138,7 @@ def test_auto_calls_that_start_are_valid(client, model_name):
 
 
 def test_tool_choice_none_answers_in_text(client, model_name):
-    r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, tool_choice="none",
-                                       max_tokens=20)
+    r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=20)
     assert r.choices[0].message.tool_calls is None
     assert r.choices[0].message.content
 
@@ -123,8 +146,15 @@ def test_tool_choice_none_answers_in_text(client, model_name):
 def test_stream_deltas_accumulate(client, model_name):
     # One call (parallel_tool_calls false): the small model otherwise repeats calls until max_tokens, and the
     # SDK refuses to build a final completion that finished on length.
-    with client.chat.completions.stream(model=model_name, messages=ASK, tools=TOOLS, tool_choice="required",
-                                        parallel_tool_calls=False, temperature=0, max_tokens=160) as stream:
+    with client.chat.completions.stream(
+        model=model_name,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
+        max_tokens=160,
+    ) as stream:
         raw = []
         for event in stream:
             if event.type == "chunk":
@@ -154,8 +184,14 @@ def test_stream_deltas_accumulate(client, model_name):
 
 
 def test_stream_named_function_finishes_with_stop(base_url, model_name):
-    body = {"model": model_name, "messages": ASK, "tools": TOOLS, "max_tokens": 80, "stream": True,
-            "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
+    body = {
+        "model": model_name,
+        "messages": ASK,
+        "tools": TOOLS,
+        "max_tokens": 80,
+        "stream": True,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+    }
     reasons, args, names = [], "", []
     with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
@@ -174,41 +210,64 @@ def test_stream_named_function_finishes_with_stop(base_url, model_name):
 
 
 def test_truncated_call_reports_length(client, model_name):
-    r = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, max_tokens=6,
-                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = client.chat.completions.create(
+        model=model_name,
+        messages=ASK,
+        tools=TOOLS,
+        max_tokens=6,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     assert r.choices[0].finish_reason == "length"
     assert not r.choices[0].message.tool_calls
 
 
 def test_history_with_tool_results(client, model_name):
     messages = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_a", "type": "function",
-             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}},
-            {"id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": '{"timezone": "JST"}'}},
-        ]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_a",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                },
+                {
+                    "id": "call_b",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"timezone": "JST"}'},
+                },
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_a", "content": "18 C, cloudy"},
         {"role": "tool", "tool_call_id": "call_b", "content": "21:05"},
     ]
-    r = client.chat.completions.create(model=model_name, messages=messages, tools=TOOLS, tool_choice="none",
-                                       max_tokens=24)
+    r = client.chat.completions.create(
+        model=model_name, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=24
+    )
     assert r.choices[0].message.content
     assert r.usage.prompt_tokens > 100  # the tool list, the calls and the results are all in the prompt
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER, WEATHER]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1, 2]}}]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "sometimes"}, None),
-    ({"tools": TOOLS, "grammar_backend": "nope"}, "grammar_backend"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1, 2]}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None),
+        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, None),
+        ({"tools": TOOLS, "grammar_backend": "nope"}, "grammar_backend"),
+    ],
+)
 def test_bad_tool_requests_get_400(base_url, model_name, body, param):
-    r = httpx.post(base_url + "/v1/chat/completions", timeout=60,
-                   json={"model": model_name, "messages": ASK, "max_tokens": 4, **body})
+    r = httpx.post(
+        base_url + "/v1/chat/completions",
+        timeout=60,
+        json={"model": model_name, "messages": ASK, "max_tokens": 4, **body},
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
@@ -217,10 +276,17 @@ def test_bad_tool_requests_get_400(base_url, model_name, body, param):
 
 
 def test_bad_history_arguments_get_400(base_url, model_name):
-    messages = ASK + [{"role": "assistant", "tool_calls": [
-        {"id": "x", "type": "function", "function": {"name": "get_time", "arguments": "{not json"}}]}]
-    r = httpx.post(base_url + "/v1/chat/completions", timeout=60,
-                   json={"model": model_name, "messages": messages, "tools": TOOLS, "max_tokens": 4})
+    messages = ASK + [
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "x", "type": "function", "function": {"name": "get_time", "arguments": "{not json"}}],
+        }
+    ]
+    r = httpx.post(
+        base_url + "/v1/chat/completions",
+        timeout=60,
+        json={"model": model_name, "messages": messages, "tools": TOOLS, "max_tokens": 4},
+    )
     assert r.status_code == 400, r.text
 
 
@@ -243,15 +309,24 @@ def test_sdk_parse_with_pydantic_function_tool(client, model_name):
 
     tool = openai.pydantic_function_tool(Weather, name="get_weather")
     assert tool["function"]["strict"] is True
-    r = client.chat.completions.parse(model=model_name, messages=ASK, tools=[tool], max_tokens=80,
-                                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = client.chat.completions.parse(
+        model=model_name,
+        messages=ASK,
+        tools=[tool],
+        max_tokens=80,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
     call = r.choices[0].message.tool_calls[0]
     assert isinstance(call.function.parsed_arguments, Weather)
 
 
 def test_sdk_parse_with_response_format(client, model_name):
-    r = client.chat.completions.parse(model=model_name, max_tokens=80, response_format=CityFacts,
-                                      messages=[{"role": "user", "content": "Give facts about Paris as JSON."}])
+    r = client.chat.completions.parse(
+        model=model_name,
+        max_tokens=80,
+        response_format=CityFacts,
+        messages=[{"role": "user", "content": "Give facts about Paris as JSON."}],
+    )
     assert isinstance(r.choices[0].message.parsed, CityFacts)
 
 
@@ -265,9 +340,13 @@ def test_instructor(base_url, model_name, mode):
 
     raw = OpenAI(base_url=base_url + "/v1", api_key="none", timeout=120, max_retries=0)
     client = instructor.from_openai(raw, mode=getattr(instructor.Mode, mode))
-    facts = client.chat.completions.create(model=model_name, response_model=CityFacts, max_retries=0,
-                                           max_tokens=80,
-                                           messages=[{"role": "user", "content": "Facts about Rome, please."}])
+    facts = client.chat.completions.create(
+        model=model_name,
+        response_model=CityFacts,
+        max_retries=0,
+        max_tokens=80,
+        messages=[{"role": "user", "content": "Facts about Rome, please."}],
+    )
     assert isinstance(facts, CityFacts)
 
 
@@ -280,8 +359,16 @@ def test_langchain_bind_tools_and_structured_output(base_url, model_name):
         """Get the current weather in a city."""
         return "sunny"
 
-    llm = ChatOpenAI(model=model_name, base_url=base_url + "/v1", api_key="none", max_tokens=80, temperature=0,
-                     use_responses_api=False, max_retries=0, timeout=120)
+    llm = ChatOpenAI(
+        model=model_name,
+        base_url=base_url + "/v1",
+        api_key="none",
+        max_tokens=80,
+        temperature=0,
+        use_responses_api=False,
+        max_retries=0,
+        timeout=120,
+    )
     msg = llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Madrid in celsius?")
     assert msg.tool_calls and msg.tool_calls[0]["name"] == "get_weather"
     assert msg.tool_calls[0]["args"]["unit"] in ("celsius", "fahrenheit")
@@ -311,13 +398,30 @@ def test_native_template_gets_tools_and_dict_arguments(native_server):
     from gramserve.model.loader import default_tokenizer_dir
 
     history = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_a", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_a",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_a", "content": "18 C"},
     ]
-    r = httpx.post(native_server.base_url + "/v1/chat/completions", timeout=120, json={
-        "model": "default", "messages": history, "tools": TOOLS, "max_tokens": 80,
-        "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
+    r = httpx.post(
+        native_server.base_url + "/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": "default",
+            "messages": history,
+            "tools": TOOLS,
+            "max_tokens": 80,
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        },
+    )
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     (call,) = choice["message"]["tool_calls"]
@@ -325,11 +429,33 @@ def test_native_template_gets_tools_and_dict_arguments(native_server):
     # The prompt is exactly the template rendered with tools= and dict arguments (no system-prompt injection).
     tok = AutoTokenizer.from_pretrained(default_tokenizer_dir())
     expected = [dict(m) for m in history]
-    expected[1] = {**expected[1], "content": "", "tool_calls": [{"id": "call_a", "type": "function", "function": {
-        "name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}}]}
-    text = tok.apply_chat_template(expected, tools=[{"type": "function", "function": {
-        "name": t["function"]["name"], "description": t["function"]["description"],
-        "parameters": t["function"]["parameters"]}} for t in TOOLS], chat_template=TEMPLATE.read_text(),
-        tokenize=False, add_generation_prompt=True)
+    expected[1] = {
+        **expected[1],
+        "content": "",
+        "tool_calls": [
+            {
+                "id": "call_a",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}},
+            }
+        ],
+    }
+    text = tok.apply_chat_template(
+        expected,
+        tools=[
+            {
+                "type": "function",
+                "function": {
+                    "name": t["function"]["name"],
+                    "description": t["function"]["description"],
+                    "parameters": t["function"]["parameters"],
+                },
+            }
+            for t in TOOLS
+        ],
+        chat_template=TEMPLATE.read_text(),
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert '"arguments": {"city": "Paris", "unit": "celsius"}' in text
     assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(text, add_special_tokens=False))

@@ -45,7 +45,10 @@ TOOLS = [
             "type": "object",
             "properties": {
                 "query": {"type": "string"},
-                "filters": {"type": "object", "properties": {"max": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}}},
+                "filters": {
+                    "type": "object",
+                    "properties": {"max": {"type": "integer"}, "tags": {"type": "array", "items": {"type": "string"}}},
+                },
             },
             "required": ["query"],
         },
@@ -61,7 +64,7 @@ ZURICH = ("get_weather", '{"city": "Zürich 🌧", "days": 2}')
 
 PLAIN = [
     ("plain", "The weather in Paris is usually mild.", "The weather in Paris is usually mild.", []),
-    ("plain_markup", "Compare a <b with <tool and [TOOL and {x} or [1, 2](see) {\"a\": 1}", None, []),
+    ("plain_markup", 'Compare a <b with <tool and [TOOL and {x} or [1, 2](see) {"a": 1}', None, []),
     ("empty", "", None, []),
     ("whitespace", "  \n ", None, []),
 ]
@@ -69,73 +72,191 @@ PLAIN = [
 # name -> [(case id, model output, expected content (None: same as the text, stripped), calls)]
 CASES: dict[str, list] = {
     "hermes": [
-        ("one", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>', "", [PARIS]),
-        ("two", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
-                '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', "", [PARIS, TIME]),
-        ("text_before", f'Let me look that up.\n\n<tool_call>\n{{"name": "search", "arguments": {SEARCH_ARGS}}}\n</tool_call>',
-         "Let me look that up.", [SEARCH]),
-        ("unicode_compact", '<tool_call>{"name":"get_weather","arguments":{"city": "Zürich 🌧", "days": 2}}</tool_call>', "", [ZURICH]),
+        (
+            "one",
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+            "",
+            [PARIS],
+        ),
+        (
+            "two",
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+            "",
+            [PARIS, TIME],
+        ),
+        (
+            "text_before",
+            f'Let me look that up.\n\n<tool_call>\n{{"name": "search", "arguments": {SEARCH_ARGS}}}\n</tool_call>',
+            "Let me look that up.",
+            [SEARCH],
+        ),
+        (
+            "unicode_compact",
+            '<tool_call>{"name":"get_weather","arguments":{"city": "Zürich 🌧", "days": 2}}</tool_call>',
+            "",
+            [ZURICH],
+        ),
         ("text_after", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\nDone.', "Done.", [TIME]),
         ("no_closing_tag", '<tool_call>\n{"name": "get_time", "arguments": {}}', "", [TIME]),
-        ("type_function", '<tool_call>\n{"type": "function", "name": "get_time", "parameters": {}}\n</tool_call>', "", [TIME]),
+        (
+            "type_function",
+            '<tool_call>\n{"type": "function", "name": "get_time", "parameters": {}}\n</tool_call>',
+            "",
+            [TIME],
+        ),
     ],
     "llama3": [
         ("one", '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', "", [PARIS]),
-        ("python_tag", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', "", [PARIS]),
-        ("two", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
-                '{"name": "get_time", "parameters": {}}', "", [PARIS, TIME]),
+        (
+            "python_tag",
+            '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}',
+            "",
+            [PARIS],
+        ),
+        (
+            "two",
+            '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+            '{"name": "get_time", "parameters": {}}',
+            "",
+            [PARIS, TIME],
+        ),
         ("type_function", f'{{"type": "function", "name": "search", "parameters": {SEARCH_ARGS}}}', "", [SEARCH]),
-        ("text_before", 'Sure.\n<|python_tag|>{"name": "get_weather", "arguments": {"city": "Zürich 🌧", "days": 2}}', "Sure.", [ZURICH]),
+        (
+            "text_before",
+            'Sure.\n<|python_tag|>{"name": "get_weather", "arguments": {"city": "Zürich 🌧", "days": 2}}',
+            "Sure.",
+            [ZURICH],
+        ),
         ("json_content", '{"answer": 42}', '{"answer": 42}', []),
     ],
     "mistral": [
-        ("one", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]', "", [PARIS]),
-        ("two", f'[TOOL_CALLS] [{{"name": "search", "arguments": {SEARCH_ARGS}}}, {{"name": "get_time", "arguments": {{}}}}]', "", [SEARCH, TIME]),
+        (
+            "one",
+            '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
+            "",
+            [PARIS],
+        ),
+        (
+            "two",
+            f'[TOOL_CALLS] [{{"name": "search", "arguments": {SEARCH_ARGS}}}, {{"name": "get_time", "arguments": {{}}}}]',
+            "",
+            [SEARCH, TIME],
+        ),
         ("v11", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}', "", [PARIS]),
-        ("v11_two", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time[ARGS]{}', "", [PARIS, TIME]),
-        ("v11_call_id", '[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{}', "", [TIME]),
-        ("text_before", 'Checking.[TOOL_CALLS][{"name":"get_weather","arguments":{"city": "Zürich 🌧", "days": 2}}]', "Checking.", [ZURICH]),
+        (
+            "v11_two",
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]get_time[ARGS]{}',
+            "",
+            [PARIS, TIME],
+        ),
+        ("v11_call_id", "[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{}", "", [TIME]),
+        (
+            "text_before",
+            'Checking.[TOOL_CALLS][{"name":"get_weather","arguments":{"city": "Zürich 🌧", "days": 2}}]',
+            "Checking.",
+            [ZURICH],
+        ),
     ],
     "pythonic": [
         ("one", "[get_weather(city='Paris', unit='celsius')]", "", [PARIS]),
         ("two", '[get_weather(city="Paris", unit="celsius"), get_time()]', "", [PARIS, TIME]),
-        ("nested", "[search(query='a } b </tool_call> [TOOL_CALLS] \" c', filters={'max': 3, 'tags': ('x', 'y')})]", "", [SEARCH]),
+        (
+            "nested",
+            "[search(query='a } b </tool_call> [TOOL_CALLS] \" c', filters={'max': 3, 'tags': ('x', 'y')})]",
+            "",
+            [SEARCH],
+        ),
         ("text_before", "I will check.\n[get_weather(city='Zürich 🌧', days=2)]", "I will check.", [ZURICH]),
         ("text_after", "[get_time()]\nok", "ok", [TIME]),
         ("list_content", "Numbers: [1, 2, 3] and [x] (y)", None, []),
     ],
     "qwen3_coder": [
-        ("one", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n"
-                "</function>\n</tool_call>", "", [PARIS]),
-        ("two", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n"
-                "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>", "", [PARIS, TIME]),
-        ("typed", "Let me search.\n<tool_call>\n<function=search>\n<parameter=query>\na } b </tool_call> [TOOL_CALLS] \" c\n</parameter>\n"
-                  '<parameter=filters>\n{"max": 3, "tags": ["x", "y"]}\n</parameter>\n</function>\n</tool_call>', "Let me search.", [SEARCH]),
-        ("integer", "<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich 🌧\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
-                    "</function>\n</tool_call>", "", [ZURICH]),
+        (
+            "one",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n"
+            "</function>\n</tool_call>",
+            "",
+            [PARIS],
+        ),
+        (
+            "two",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n"
+            "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
+            "",
+            [PARIS, TIME],
+        ),
+        (
+            "typed",
+            'Let me search.\n<tool_call>\n<function=search>\n<parameter=query>\na } b </tool_call> [TOOL_CALLS] " c\n</parameter>\n'
+            '<parameter=filters>\n{"max": 3, "tags": ["x", "y"]}\n</parameter>\n</function>\n</tool_call>',
+            "Let me search.",
+            [SEARCH],
+        ),
+        (
+            "integer",
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nZürich 🌧\n</parameter>\n<parameter=days>\n2\n</parameter>\n"
+            "</function>\n</tool_call>",
+            "",
+            [ZURICH],
+        ),
     ],
     "deepseek_v3": [
-        ("one", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris", "unit": "celsius"}\n```'
-                "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "", [PARIS]),
-        ("two", f'Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n{SEARCH_ARGS}\n```<｜tool▁call▁end｜>\n'
-                "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
-         "Let me check.", [SEARCH, TIME]),
-        ("unicode", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Zürich 🌧", "days": 2}\n```'
-                    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "", [ZURICH]),
+        (
+            "one",
+            '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris", "unit": "celsius"}\n```'
+            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+            "",
+            [PARIS],
+        ),
+        (
+            "two",
+            f"Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>search\n```json\n{SEARCH_ARGS}\n```<｜tool▁call▁end｜>\n"
+            "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+            "Let me check.",
+            [SEARCH, TIME],
+        ),
+        (
+            "unicode",
+            '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Zürich 🌧", "days": 2}\n```'
+            "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+            "",
+            [ZURICH],
+        ),
     ],
     "kimi_k2": [
-        ("one", '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-                '{"city": "Paris", "unit": "celsius"}<|tool_call_end|><|tool_calls_section_end|>', "", [PARIS]),
-        ("two", "I'll check. <|tool_calls_section_begin|>\n<|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>"
-                f"{SEARCH_ARGS}<|tool_call_end|>\n<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{{}}<|tool_call_end|>\n"
-                "<|tool_calls_section_end|>", "I'll check.", [SEARCH, TIME]),
-        ("unicode", '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-                    '{"city": "Zürich 🌧", "days": 2}<|tool_call_end|><|tool_calls_section_end|>', "", [ZURICH]),
+        (
+            "one",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+            '{"city": "Paris", "unit": "celsius"}<|tool_call_end|><|tool_calls_section_end|>',
+            "",
+            [PARIS],
+        ),
+        (
+            "two",
+            "I'll check. <|tool_calls_section_begin|>\n<|tool_call_begin|>functions.search:0<|tool_call_argument_begin|>"
+            f"{SEARCH_ARGS}<|tool_call_end|>\n<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{{}}<|tool_call_end|>\n"
+            "<|tool_calls_section_end|>",
+            "I'll check.",
+            [SEARCH, TIME],
+        ),
+        (
+            "unicode",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+            '{"city": "Zürich 🌧", "days": 2}<|tool_call_end|><|tool_calls_section_end|>',
+            "",
+            [ZURICH],
+        ),
     ],
 }
 CASES["deepseek_v3"].append(
-    ("v31", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "unit": "celsius"}<｜tool▁call▁end｜>'
-            "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "", [PARIS, ("function", "{}")])
+    (
+        "v31",
+        '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris", "unit": "celsius"}<｜tool▁call▁end｜>'
+        "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "",
+        [PARIS, ("function", "{}")],
+    )
 )
 CASES["qwen25"] = CASES["hermes"]
 CASES["deepseek_v31"] = CASES["deepseek_v3"]
@@ -148,7 +269,11 @@ MALFORMED: dict[str, list] = {
         ("bad_json", '<tool_call>\n{"name": "get_weather", "arguments": {"city": Paris}}\n</tool_call>', []),
         ("args_not_object", '<tool_call>\n{"name": "get_weather", "arguments": "Paris"}\n</tool_call>', []),
         ("open_only", "<tool_call>", []),
-        ("second_broken", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "x", "arguments": {]}\n</tool_call>', [TIME]),
+        (
+            "second_broken",
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "x", "arguments": {]}\n</tool_call>',
+            [TIME],
+        ),
     ],
     "llama3": [
         ("truncated", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Par', []),
@@ -174,12 +299,28 @@ MALFORMED: dict[str, list] = {
         ("junk", "<tool_call>\n<function=get_time>\nhello\n</function>\n</tool_call>", []),
     ],
     "deepseek_v3": [
-        ("truncated", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Par', []),
-        ("bad_json", '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{city}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', []),
+        (
+            "truncated",
+            '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Par',
+            [],
+        ),
+        (
+            "bad_json",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{city}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+            [],
+        ),
     ],
     "kimi_k2": [
-        ("truncated", '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Par', []),
-        ("bad_json", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{]<|tool_call_end|><|tool_calls_section_end|>", []),
+        (
+            "truncated",
+            '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Par',
+            [],
+        ),
+        (
+            "bad_json",
+            "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0<|tool_call_argument_begin|>{]<|tool_call_end|><|tool_calls_section_end|>",
+            [],
+        ),
     ],
 }
 MALFORMED["qwen25"] = MALFORMED["hermes"]
@@ -190,7 +331,11 @@ ALL_CASES = [
     for name in TOOL_CALL_PARSERS
     for cid, text, content, calls in PLAIN + CASES[name]
 ]
-ALL_MALFORMED = [pytest.param(name, text, calls, id=f"{name}-{cid}") for name in TOOL_CALL_PARSERS for cid, text, calls in MALFORMED[name]]
+ALL_MALFORMED = [
+    pytest.param(name, text, calls, id=f"{name}-{cid}")
+    for name in TOOL_CALL_PARSERS
+    for cid, text, calls in MALFORMED[name]
+]
 
 
 def parser(name: str, tools=TOOLS):
@@ -275,7 +420,14 @@ def test_mutated_outputs_never_raise(name):
     for _ in range(150):
         text = rng.choice(texts)
         i, j = sorted(rng.randrange(len(text) + 1) for _ in range(2))
-        text = rng.choice([text[:i], text[:i] + text[j:], text[:j] + text[i:], text[:i] + rng.choice(['"', "}", "<", "[", "\\", "\n", "(", "'"]) + text[i:]])
+        text = rng.choice(
+            [
+                text[:i],
+                text[:i] + text[j:],
+                text[:j] + text[i:],
+                text[:i] + rng.choice(['"', "}", "<", "[", "\\", "\n", "(", "'"]) + text[i:],
+            ]
+        )
         r = parser(name).parse(text)
         for c in r.calls:
             assert isinstance(json.loads(c.arguments), dict)
@@ -314,7 +466,7 @@ def test_qwen3_coder_streams_parameters_and_string_values():
     p = parser("qwen3_coder")
     d = p.feed("<tool_call>\n<function=search>\n<parameter=query>\nfirst line\nsecond</par")
     assert [(c.name, c.arguments) for c in d.calls] == [("search", ""), (None, '{"query": "first line\\nsecond')]
-    d = p.feed("ameter>\n<parameter=filters>\n{\"max\": 3")
+    d = p.feed('ameter>\n<parameter=filters>\n{"max": 3')
     assert [c.arguments for c in d.calls] == ['"']  # the typed value waits for its closing tag
     d = p.feed("}\n</parameter>\n</function>\n</tool_call>")
     assert [c.arguments for c in d.calls] == [', "filters": {"max": 3}}']
@@ -340,7 +492,11 @@ def test_invalid_json_prefix_stops_streaming_early():
 @pytest.mark.parametrize("name", sorted(TOOL_CALL_PARSERS))
 def test_render_parse_roundtrip(name):
     p = parser(name)
-    calls = [("get_weather", {"city": "Paris", "unit": "celsius", "days": 3}), ("search", {"query": "x", "filters": {"max": 1, "tags": ["a"]}}), ("get_time", {})]
+    calls = [
+        ("get_weather", {"city": "Paris", "unit": "celsius", "days": 3}),
+        ("search", {"query": "x", "filters": {"max": 1, "tags": ["a"]}}),
+        ("get_time", {}),
+    ]
     r = p.parse(p.render_calls(calls))
     assert r.content is None
     assert [(c.name, json.loads(c.arguments)) for c in r.calls] == calls
@@ -352,19 +508,67 @@ def test_unknown_tool_names_are_returned():
 
 
 def test_qwen3_coder_coerces_by_schema():
-    tools = [ToolFunction("f", {"type": "object", "properties": {
-        "s": {"type": "string"}, "i": {"type": "integer"}, "n": {"type": "number"}, "b": {"type": "boolean"},
-        "o": {"type": "object"}, "a": {"type": "array"}, "opt": {"type": ["integer", "null"]}, "u": {}}})]
-    text = "<tool_call>\n<function=f>\n" + "".join(
-        f"<parameter={k}>\n{v}\n</parameter>\n"
-        for k, v in [("s", "007"), ("i", "42"), ("n", "2.5"), ("b", "True"), ("o", "{'k': [1]}"), ("a", "[1, 2]"), ("opt", "null"), ("u", "3"), ("extra", "x\ny")]
-    ) + "</function>\n</tool_call>"
+    tools = [
+        ToolFunction(
+            "f",
+            {
+                "type": "object",
+                "properties": {
+                    "s": {"type": "string"},
+                    "i": {"type": "integer"},
+                    "n": {"type": "number"},
+                    "b": {"type": "boolean"},
+                    "o": {"type": "object"},
+                    "a": {"type": "array"},
+                    "opt": {"type": ["integer", "null"]},
+                    "u": {},
+                },
+            },
+        )
+    ]
+    text = (
+        "<tool_call>\n<function=f>\n"
+        + "".join(
+            f"<parameter={k}>\n{v}\n</parameter>\n"
+            for k, v in [
+                ("s", "007"),
+                ("i", "42"),
+                ("n", "2.5"),
+                ("b", "True"),
+                ("o", "{'k': [1]}"),
+                ("a", "[1, 2]"),
+                ("opt", "null"),
+                ("u", "3"),
+                ("extra", "x\ny"),
+            ]
+        )
+        + "</function>\n</tool_call>"
+    )
     r = parser("qwen3_coder", tools).parse(text)
-    assert json.loads(r.calls[0].arguments) == {"s": "007", "i": 42, "n": 2.5, "b": True, "o": {"k": [1]}, "a": [1, 2], "opt": None, "u": 3, "extra": "x\ny"}
+    assert json.loads(r.calls[0].arguments) == {
+        "s": "007",
+        "i": 42,
+        "n": 2.5,
+        "b": True,
+        "o": {"k": [1]},
+        "a": [1, 2],
+        "opt": None,
+        "u": 3,
+        "extra": "x\ny",
+    }
 
 
 def test_registry_and_detection():
-    assert set(TOOL_CALL_PARSERS) >= {"hermes", "qwen25", "llama3", "mistral", "pythonic", "qwen3_coder", "deepseek_v3", "kimi_k2"}
+    assert set(TOOL_CALL_PARSERS) >= {
+        "hermes",
+        "qwen25",
+        "llama3",
+        "mistral",
+        "pythonic",
+        "qwen3_coder",
+        "deepseek_v3",
+        "kimi_k2",
+    }
     assert get_tool_call_parser("deepseek-v3") is TOOL_CALL_PARSERS["deepseek_v3"]
     with pytest.raises(ValueError, match="hermes"):
         get_tool_call_parser("nope")
@@ -417,7 +621,7 @@ SNEAKY = {
     "qwen3_coder": "<tool_call><function=get_weather><parameter=days>x</parameter></function></tool_call>",
     "deepseek_v3": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"days": "x"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
     "kimi_k2": '<|tool_calls_section_begin|> <|tool_call_begin|> get_weather <|tool_call_argument_begin|> {"days": "x"} <|tool_call_end|>'
-               "<|tool_calls_section_end|>",
+    "<|tool_calls_section_end|>",
 }
 SNEAKY["qwen25"] = SNEAKY["hermes"]
 SNEAKY["deepseek_v31"] = (
@@ -490,20 +694,23 @@ def test_structural_tags_constrain_calls(tokenizer, kind, name):
 
 
 # A pydantic-style schema: $defs/$ref, anyOf, type lists, mixed enums, const, arrays of objects.
-COMPLEX = ToolFunction("t", {
-    "type": "object",
-    "properties": {
-        "a": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
-        "b": {"type": ["number", "null"]},
-        "c": {"enum": [1, 2.5, "x", None, True]},
-        "d": {"type": "array", "items": {"$ref": "#/$defs/Item"}},
-        "e": {"$ref": "#/$defs/Item"},
-        "f": {"const": "fixed"},
-        "g": {"type": "object"},
+COMPLEX = ToolFunction(
+    "t",
+    {
+        "type": "object",
+        "properties": {
+            "a": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+            "b": {"type": ["number", "null"]},
+            "c": {"enum": [1, 2.5, "x", None, True]},
+            "d": {"type": "array", "items": {"$ref": "#/$defs/Item"}},
+            "e": {"$ref": "#/$defs/Item"},
+            "f": {"const": "fixed"},
+            "g": {"type": "object"},
+        },
+        "required": ["a", "d"],
+        "$defs": {"Item": {"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"]}},
     },
-    "required": ["a", "d"],
-    "$defs": {"Item": {"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"]}},
-})
+)
 
 
 @pytest.mark.parametrize("kind", ["xgrammar", "llguidance"])
@@ -525,9 +732,18 @@ def test_structural_tags_complex_schema(tokenizer, kind, name):
 def test_inline_refs():
     from gramserve.parsers.tool_calls._schema import inline_refs
 
-    assert inline_refs(COMPLEX.parameters)["properties"]["d"]["items"] == {"type": "object", "properties": {"k": {"type": "string"}}, "required": ["k"]}
-    tree = {"type": "object", "properties": {"root": {"$ref": "#/$defs/Node"}},
-            "$defs": {"Node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}}}
+    assert inline_refs(COMPLEX.parameters)["properties"]["d"]["items"] == {
+        "type": "object",
+        "properties": {"k": {"type": "string"}},
+        "required": ["k"],
+    }
+    tree = {
+        "type": "object",
+        "properties": {"root": {"$ref": "#/$defs/Node"}},
+        "$defs": {
+            "Node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}
+        },
+    }
     out = inline_refs(tree)
     assert out["properties"]["root"]["properties"]["kids"]["items"] == {"$ref": "#/$defs/Node"}
     assert out["$defs"] == tree["$defs"]
@@ -544,6 +760,6 @@ def test_long_arguments_stream_in_linear_time():
     for name in TOOL_CALL_PARSERS:
         p = parser(name, tools)
         text = p.render_calls([("write", {"code": code})])
-        content, calls = stream(name, [text[i:i + 4] for i in range(0, len(text), 4)], tools)
+        content, calls = stream(name, [text[i : i + 4] for i in range(0, len(text), 4)], tools)
         assert json.loads(calls[0][1]) == {"code": code}
     assert time.perf_counter() - start < 15

@@ -30,8 +30,13 @@ needs_corpus = pytest.mark.skipif(not CORPUS.is_dir(), reason=f"corpus not found
 
 @pytest.fixture(scope="module")
 def backend(tokenizer):
-    return create_backend("xgrammar", tokenizer, len(tokenizer), [tokenizer.eos_token_id],
-                          GrammarOptions(max_whitespace=2, strict_json=True))
+    return create_backend(
+        "xgrammar",
+        tokenizer,
+        len(tokenizer),
+        [tokenizer.eos_token_id],
+        GrammarOptions(max_whitespace=2, strict_json=True),
+    )
 
 
 def reference(backend, schema: str):
@@ -52,8 +57,9 @@ def spacings(value) -> list[str]:
 
 
 def test_rewrite_replaces_every_bounded_repetition():
-    schema = json.dumps({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "array"}},
-                         "required": ["a"]})
+    schema = json.dumps(
+        {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "array"}}, "required": ["a"]}
+    )
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=3, strict_mode=True))
     assert "whitespace_1{0, 3}" in ebnf or "whitespace{0, 3}" in ebnf
     fixed = inline_bounded_whitespace(ebnf)
@@ -71,8 +77,13 @@ def test_rewrite_leaves_other_whitespace_rules_alone():
 
 def test_rewrite_leaves_string_literals_alone(backend, tokenizer):
     """A schema whose constant text looks like a repetition: the literal stays, the grammar still accepts it."""
-    schema = json.dumps({"type": "object", "properties": {"k": {"enum": ['whitespace{0, 2}', 'a"whitespace_3{0, 2}']}},
-                         "required": ["k"]})
+    schema = json.dumps(
+        {
+            "type": "object",
+            "properties": {"k": {"enum": ["whitespace{0, 2}", 'a"whitespace_3{0, 2}']}},
+            "required": ["k"],
+        }
+    )
     ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=True, max_whitespace_cnt=2, strict_mode=True))
     fixed = inline_bounded_whitespace(ebnf)
     literal_rules = [line for line in ebnf.splitlines() if line.startswith("root_prop_0 ::=")]
@@ -135,12 +146,24 @@ def test_tool_call_tags_same_masks_as_xgrammar(backend, tokenizer, parser_name):
     from gramserve.parsers.tool_calls import get_tool_call_parser
     from gramserve.parsers.tool_calls.base import ToolFunction
 
-    tools = [ToolFunction("get_weather", {"type": "object", "properties": {
-                 "city": {"type": "string"}, "days": {"type": "integer"}, "units": {"enum": ["c", "f"]}},
-                 "required": ["city"]}),
-             ToolFunction("search", {"type": "object", "properties": {
-                 "query": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
-                 "required": ["query"]})]
+    tools = [
+        ToolFunction(
+            "get_weather",
+            {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}, "units": {"enum": ["c", "f"]}},
+                "required": ["city"],
+            },
+        ),
+        ToolFunction(
+            "search",
+            {
+                "type": "object",
+                "properties": {"query": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+                "required": ["query"],
+            },
+        ),
+    ]
     parser = get_tool_call_parser(parser_name)(tools)
     tag = backend._structural_tag_json(json.dumps(parser.structural_tag("required", True)))
     ebnf = str(xgr.Grammar.from_structural_tag(tag))
@@ -148,7 +171,9 @@ def test_tool_call_tags_same_masks_as_xgrammar(backend, tokenizer, parser_name):
         assert inline_bounded_whitespace(ebnf) != ebnf
     ours = backend.compile(GrammarSpec("structural_tag", json.dumps(parser.structural_tag("required", True))))
     ref = backend.compiler.compile_structural_tag(tag)
-    text = parser.render_calls([("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": "x y", "tags": ["a"]})])
+    text = parser.render_calls(
+        [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": "x y", "tags": ["a"]})]
+    )
     vocab = len(tokenizer)
     bitmask = torch.zeros((2, (vocab + 31) // 32), dtype=torch.int32)
     a, b = xgr.GrammarMatcher(ours), xgr.GrammarMatcher(ref)

@@ -50,7 +50,7 @@ class IncrementalDecoder:
     def _advance(self, end: int, text: str, force: bool = False) -> str:
         """Emit the window's new text up to `end` and slide the window forward."""
         assert self._prefix_text is not None
-        delta = text[len(self._prefix_text):]
+        delta = text[len(self._prefix_text) :]
         if delta or force:
             self.prefix_offset = self.read_offset
             self.read_offset = end
@@ -114,7 +114,7 @@ class StopStringFilter:
             self._held = ""
             return buf[: end + neg_len]
         hold = self._partial_match_len(buf)
-        self._held = buf[len(buf) - hold:]
+        self._held = buf[len(buf) - hold :]
         return buf[: len(buf) - hold]
 
     def flush(self) -> str:

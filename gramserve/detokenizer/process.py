@@ -25,8 +25,16 @@ class _RequestState:
 
 
 def _empty_text_out() -> BatchTextOut:
-    return BatchTextOut(rids=[], text_deltas=[], new_token_ids=[], finished=[], prompt_tokens=[],
-                        completion_tokens=[], cached_tokens=[], logprobs=[])
+    return BatchTextOut(
+        rids=[],
+        text_deltas=[],
+        new_token_ids=[],
+        finished=[],
+        prompt_tokens=[],
+        completion_tokens=[],
+        cached_tokens=[],
+        logprobs=[],
+    )
 
 
 def _append(out: BatchTextOut, batch: BatchTokenOut, i: int, delta: str, finished: FinishReason | None) -> None:
@@ -69,8 +77,12 @@ class DetokenizerManager:
                 self.states[rid] = state
             new_ids = batch.new_token_ids[i]
             text_ids = new_ids
-            if sched_finish is not None and isinstance(sched_finish.matched, int) and new_ids \
-                    and new_ids[-1] == sched_finish.matched:
+            if (
+                sched_finish is not None
+                and isinstance(sched_finish.matched, int)
+                and new_ids
+                and new_ids[-1] == sched_finish.matched
+            ):
                 text_ids = new_ids[:-1]  # the EOS / stop token ends the answer; its text is not part of it
             delta = state.stop_filter.push(state.decoder.decode(text_ids, finish=sched_finish is not None))
             finished = sched_finish

@@ -160,8 +160,12 @@ class ProcessCompiler:
         root = str(Path(__file__).resolve().parents[2])  # so that the child imports this very package
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "gramserve.grammar.compile_process", str(theirs.fileno())],
-                                    pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gramserve.grammar.compile_process", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
         except OSError as exc:
             ours.close()
             theirs.close()
@@ -169,8 +173,7 @@ class ProcessCompiler:
             return
         theirs.close()
         w = _Worker(proc, Connection(ours.detach()))
-        w.thread = threading.Thread(target=self._serve, args=(w,), name=f"{self.args.name}-compile-worker",
-                                    daemon=True)
+        w.thread = threading.Thread(target=self._serve, args=(w,), name=f"{self.args.name}-compile-worker", daemon=True)
         self._workers.append(w)
         w.thread.start()
 

@@ -86,7 +86,8 @@ def fill_rows(items: Sequence[tuple[Matcher, int]], bitmask: torch.Tensor, pool:
                 cls.fill_rows(group, bitmask, pool)
                 continue
             except Exception:  # noqa: BLE001 - the serial path below is the reference behaviour
-                logger.exception("batched mask fill failed for %d %s rows; filling them one by one",
-                                 len(group), cls.__name__)
+                logger.exception(
+                    "batched mask fill failed for %d %s rows; filling them one by one", len(group), cls.__name__
+                )
         for m, row in group:
             m.fill_bitmask(bitmask, row)

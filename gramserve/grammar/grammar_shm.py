@@ -58,7 +58,7 @@ def attach_grammar_shm(name: str, rows: int, vocab_size: int) -> GrammarShm:
     size = segment_bytes(rows, vocab_size)
     segment = torch.frombuffer(shm.buf, dtype=torch.uint8, count=size)
     feed = segment[: feed_bytes(rows)].view(torch.int64)
-    bitmask = segment[_feed_region(rows):].view(torch.int32).view(rows, bitmask_words(vocab_size))
+    bitmask = segment[_feed_region(rows) :].view(torch.int32).view(rows, bitmask_words(vocab_size))
     return GrammarShm(shm, segment, feed, bitmask)
 
 

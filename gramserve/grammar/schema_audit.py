@@ -13,14 +13,30 @@ from typing import Any, Iterator
 
 # xgrammar 0.2.8 compiles these but does not enforce them (oneOf is treated as anyOf).
 XGRAMMAR_UNENFORCED = {
-    "allOf", "not", "if", "then", "else", "contains", "minContains", "maxContains",
-    "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties",
+    "allOf",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "minContains",
+    "maxContains",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "unevaluatedProperties",
     "unevaluatedItems",
 }
 
 # outlines-core 0.2.14 compiles these into its regex without enforcing them.
 OUTLINES_UNENFORCED = {
-    "multipleOf", "contains", "not", "propertyNames", "dependentRequired", "dependencies", "maxProperties",
+    "multipleOf",
+    "contains",
+    "not",
+    "propertyNames",
+    "dependentRequired",
+    "dependencies",
+    "maxProperties",
 }
 
 _TYPE_CHECKS = {
@@ -95,11 +111,25 @@ def _oneof_overlaps(node: dict) -> bool:
     branches = [b for b in node.get("oneOf") or [] if isinstance(b, dict)]
     if any("$ref" in b for b in branches):
         return True  # cannot tell without resolving references: assume they may overlap
-    return any(not _disjoint(a, b) for i, a in enumerate(branches) for b in branches[i + 1:])
+    return any(not _disjoint(a, b) for i, a in enumerate(branches) for b in branches[i + 1 :])
 
 
-_ASSERTIONS = {"type", "properties", "required", "items", "enum", "const", "minimum", "maximum", "pattern",
-               "minLength", "maxLength", "minItems", "maxItems", "additionalProperties"}
+_ASSERTIONS = {
+    "type",
+    "properties",
+    "required",
+    "items",
+    "enum",
+    "const",
+    "minimum",
+    "maximum",
+    "pattern",
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "additionalProperties",
+}
 
 
 def unenforced(backend: str, schema_text: str) -> list[str]:
@@ -117,8 +147,12 @@ def unenforced(backend: str, schema_text: str) -> list[str]:
             found |= OUTLINES_UNENFORCED & node.keys()
             if node.get("uniqueItems") is True:
                 found.add("uniqueItems")
-            if node.get("type") == "integer" and node.keys() & {"minimum", "maximum", "exclusiveMinimum",
-                                                                "exclusiveMaximum"}:
+            if node.get("type") == "integer" and node.keys() & {
+                "minimum",
+                "maximum",
+                "exclusiveMinimum",
+                "exclusiveMaximum",
+            }:
                 found.add("integer bounds")
         if backend != "xgrammar":
             continue  # llguidance rejects at compile time what it cannot enforce

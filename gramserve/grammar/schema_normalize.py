@@ -37,8 +37,12 @@ def declare_required(schema: Any) -> Any:
             continue
         extra = node.get("additionalProperties", True)
         if extra is False:
-            raise GrammarCompileError(f"json_schema: required properties {missing} are not declared and "
-                                      "additionalProperties is false, so no object can satisfy the schema")
-        node["properties"] = {**props, **{name: (dict(ANY_VALUE) if extra is True or extra == {} else extra)
-                                           for name in missing}}
+            raise GrammarCompileError(
+                f"json_schema: required properties {missing} are not declared and "
+                "additionalProperties is false, so no object can satisfy the schema"
+            )
+        node["properties"] = {
+            **props,
+            **{name: (dict(ANY_VALUE) if extra is True or extra == {} else extra) for name in missing},
+        }
     return out

@@ -63,10 +63,20 @@ class LRU(OrderedDict):
 
 
 class GrammarService:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], options: GrammarOptions,
-                 bitmask: torch.Tensor, default_backend: str = "xgrammar", compile_timeout_s: float = 5.0,
-                 cache_size: int = 512, compile_threads: int = 2, fill_threads: int = 1,
-                 compile_processes: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        eos_token_ids: list[int],
+        options: GrammarOptions,
+        bitmask: torch.Tensor,
+        default_backend: str = "xgrammar",
+        compile_timeout_s: float = 5.0,
+        cache_size: int = 512,
+        compile_threads: int = 2,
+        fill_threads: int = 1,
+        compile_processes: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
@@ -97,8 +107,9 @@ class GrammarService:
     def backend(self, name: str) -> GrammarBackend:
         with self._backend_lock:
             if name not in self._backends:
-                self._backends[name] = create_backend(name, self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                                      self.options)
+                self._backends[name] = create_backend(
+                    name, self.tokenizer, self.vocab_size, self.eos_token_ids, self.options
+                )
             return self._backends[name]
 
     # --- compiling --------------------------------------------------------------------------------
@@ -111,8 +122,9 @@ class GrammarService:
         elif name in BACKEND_NAMES:
             candidates = [name]
         else:
-            return GrammarCompileResp(req.rid, None, f"unknown grammar backend {name!r}; use one of "
-                                                     f"{list(BACKEND_NAMES) + ['auto']}")
+            return GrammarCompileResp(
+                req.rid, None, f"unknown grammar backend {name!r}; use one of {list(BACKEND_NAMES) + ['auto']}"
+            )
         pending = _PendingCompile(req.rid, req.grammar, candidates)
         return self._try_next(pending)
 
@@ -131,6 +143,7 @@ class GrammarService:
             p.backend, p.started = backend, time.monotonic()
             p.in_process = self._in_process(backend)
             if p.in_process:
+
                 def started(p=p) -> None:  # the timeout counts from when a worker takes it
                     p.started = time.monotonic()
 

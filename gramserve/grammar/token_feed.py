@@ -71,7 +71,7 @@ class FeedWriter:
         n = token_ids.shape[0]
         if n > self.rows:
             return False
-        ids, seq = self._words[IDS: IDS + n], self._words[SEQ: SEQ + 1]
+        ids, seq = self._words[IDS : IDS + n], self._words[SEQ : SEQ + 1]
         if token_ids.device.type == "cuda":
             ids.copy_(token_ids, non_blocking=True)
             self._seq.fill_(step)

@@ -46,12 +46,21 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
 
         tokenizer = AutoTokenizer.from_pretrained(launch.tokenizer_dir)
         shared = attach_grammar_shm(launch.grammar_shm, settings.max_running_requests, launch.vocab_size)
-        options = GrammarOptions(max_whitespace=args.grammar_max_whitespace, strict_json=args.grammar_strict_json,
-                                 text_tokens=launch.grammar_text_tokens)
-        service = GrammarService(tokenizer, launch.vocab_size, launch.eos_token_ids, options, shared.bitmask,
-                                 default_backend=args.grammar_backend,
-                                 compile_timeout_s=args.grammar_compile_timeout,
-                                 fill_threads=settings.grammar_fill_threads)
+        options = GrammarOptions(
+            max_whitespace=args.grammar_max_whitespace,
+            strict_json=args.grammar_strict_json,
+            text_tokens=launch.grammar_text_tokens,
+        )
+        service = GrammarService(
+            tokenizer,
+            launch.vocab_size,
+            launch.eos_token_ids,
+            options,
+            shared.bitmask,
+            default_backend=args.grammar_backend,
+            compile_timeout_s=args.grammar_compile_timeout,
+            fill_threads=settings.grammar_fill_threads,
+        )
         feed = FeedReader(shared.shm.buf, settings.max_running_requests)
     except Exception as exc:  # noqa: BLE001 - reported to the launcher
         logger.exception("grammar worker failed to start")
@@ -87,8 +96,14 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
         shared.close()
 
 
-def handle(service: GrammarService, msg, to_scheduler: zmq.Socket, feed: FeedReader, shard: int = 0,
-           state: ShardState | None = None) -> None:
+def handle(
+    service: GrammarService,
+    msg,
+    to_scheduler: zmq.Socket,
+    feed: FeedReader,
+    shard: int = 0,
+    state: ShardState | None = None,
+) -> None:
     """Answer one message; `state` is this worker's, kept between calls."""
     state = state if state is not None else ShardState()
     if isinstance(msg, GrammarStepReq):

@@ -44,10 +44,18 @@ class CudaGraphRunner:
 
     def _batch(self, bs: int, meta) -> ForwardBatch:
         return ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=self.input_ids[:bs], positions=self.positions[:bs],
-            out_cache_loc=self.out_cache_loc[:bs], req_pool_indices=self.req_pool_indices[:bs],
-            seq_lens=self.seq_lens[:bs], seq_lens_cpu=[1] * bs, extend_prefix_lens_cpu=[0] * bs,
-            extend_seq_lens_cpu=[1] * bs, req_to_token=self.req_to_token, attn_metadata=meta)
+            mode=ForwardMode.DECODE,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=[1] * bs,
+            extend_prefix_lens_cpu=[0] * bs,
+            extend_seq_lens_cpu=[1] * bs,
+            req_to_token=self.req_to_token,
+            attn_metadata=meta,
+        )
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -55,8 +63,9 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
-            meta = self.backend.cuda_graph_capture_metadata(bs, self.req_pool_indices[:bs], self.seq_lens[:bs],
-                                                            self.req_to_token)
+            meta = self.backend.cuda_graph_capture_metadata(
+                bs, self.req_pool_indices[:bs], self.seq_lens[:bs], self.req_to_token
+            )
             batch = self._batch(bs, meta)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -69,8 +78,9 @@ class CudaGraphRunner:
             self.graphs[bs], self.outputs[bs] = graph, out
         torch.cuda.synchronize()
         self.capture_seconds = time.time() - t0
-        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s", len(self.sizes), self.max_bs,
-                    self.capture_seconds)
+        logger.info(
+            "captured %d decode CUDA graphs (batch 1..%d) in %.1f s", len(self.sizes), self.max_bs, self.capture_seconds
+        )
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.mode == ForwardMode.DECODE and batch.batch_size <= self.max_bs and not batch.return_all_logits
@@ -89,7 +99,8 @@ class CudaGraphRunner:
                 t[bs:padded].zero_()
             self.seq_lens[bs:padded].fill_(1)
             seq_lens_cpu = seq_lens_cpu + [1] * (padded - bs)
-        self.backend.cuda_graph_replay_metadata(padded, self.req_pool_indices[:padded], self.seq_lens[:padded],
-                                                seq_lens_cpu, self.req_to_token)
+        self.backend.cuda_graph_replay_metadata(
+            padded, self.req_pool_indices[:padded], self.seq_lens[:padded], seq_lens_cpu, self.req_to_token
+        )
         self.graphs[padded].replay()
         return self.outputs[padded][:bs]

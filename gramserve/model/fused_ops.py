@@ -34,8 +34,17 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         x2 = x2.contiguous()
     y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        _rmsnorm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), shape[-1], eps,
-                                        BLOCK=triton.next_power_of_2(shape[-1]), num_warps=4 if shape[-1] <= 4096 else 8)
+        _rmsnorm_kernel[(x2.shape[0],)](
+            x2,
+            weight,
+            y,
+            x2.stride(0),
+            y.stride(0),
+            shape[-1],
+            eps,
+            BLOCK=triton.next_power_of_2(shape[-1]),
+            num_warps=4 if shape[-1] <= 4096 else 8,
+        )
     return y.view(shape)
 
 
@@ -61,15 +70,42 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, e
     assert x.shape == residual.shape and x.stride(-1) == 1 and residual.stride(-1) == 1
     y = torch.empty_like(residual)
     if t:
-        _add_rmsnorm_kernel[(t,)](x, residual, weight, y, x.stride(0), residual.stride(0), y.stride(0), n, eps,
-                                  BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+        _add_rmsnorm_kernel[(t,)](
+            x,
+            residual,
+            weight,
+            y,
+            x.stride(0),
+            residual.stride(0),
+            y.stride(0),
+            n,
+            eps,
+            BLOCK=triton.next_power_of_2(n),
+            num_warps=4 if n <= 4096 else 8,
+        )
     return y
 
 
 @triton.jit
-def _rope_store_kernel(QKV, stride_t, COS, SIN, POS, LOC, Q, stride_qt, KC, VC, stride_kc, stride_vc,
-                       H: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_HK: tl.constexpr):
+def _rope_store_kernel(
+    QKV,
+    stride_t,
+    COS,
+    SIN,
+    POS,
+    LOC,
+    Q,
+    stride_qt,
+    KC,
+    VC,
+    stride_kc,
+    stride_vc,
+    H: tl.constexpr,
+    HK: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+):
     t = tl.program_id(0)
     pos = tl.load(POS + t).to(tl.int64)
     loc = tl.load(LOC + t).to(tl.int64)
@@ -101,25 +137,62 @@ def _rope_store_kernel(QKV, stride_t, COS, SIN, POS, LOC, Q, stride_qt, KC, VC, 
     tl.store(dst + HALF, tl.load(src + HALF, mask=mk[:, None]), mask=mk[:, None])
 
 
-def rope_and_store(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-                   positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   loc: torch.Tensor) -> torch.Tensor:
-    """qkv [T, (H + 2 Hk) D] -> rotated q [T, H, D]; rotated k and v written to k_cache/v_cache[loc] ([slots, Hk, D])."""
+def rope_and_store(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+) -> torch.Tensor:
+    """qkv [T, (H + 2 Hk) D] -> rotated q [T, H, D]; rotated k and v written to k_cache/v_cache[loc]
+    ([slots, Hk, D])."""
     t = qkv.shape[0]
     d = k_cache.shape[-1]
     assert qkv.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     q = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     if t:
-        _rope_store_kernel[(t,)](qkv, qkv.stride(0), cos, sin, positions, loc, q, q.stride(0), k_cache, v_cache,
-                                 k_cache.stride(0), v_cache.stride(0), H=num_heads, HK=num_kv_heads, HALF=d // 2,
-                                 BLOCK_H=triton.next_power_of_2(num_heads),
-                                 BLOCK_HK=triton.next_power_of_2(num_kv_heads), num_warps=4)
+        _rope_store_kernel[(t,)](
+            qkv,
+            qkv.stride(0),
+            cos,
+            sin,
+            positions,
+            loc,
+            q,
+            q.stride(0),
+            k_cache,
+            v_cache,
+            k_cache.stride(0),
+            v_cache.stride(0),
+            H=num_heads,
+            HK=num_kv_heads,
+            HALF=d // 2,
+            BLOCK_H=triton.next_power_of_2(num_heads),
+            BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+            num_warps=4,
+        )
     return q
 
 
 @triton.jit
-def _rope_kernel(X, COS, SIN, POS, stride_t, stride_h, OUT, stride_ot, stride_oh, H: tl.constexpr,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+def _rope_kernel(
+    X,
+    COS,
+    SIN,
+    POS,
+    stride_t,
+    stride_h,
+    OUT,
+    stride_ot,
+    stride_oh,
+    H: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     t = tl.program_id(0)
     pos = tl.load(POS + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -140,8 +213,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch
     t, h, d = x.shape
     out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
     if t:
-        _rope_kernel[(t,)](x, cos, sin, positions, x.stride(0), x.stride(1), out, out.stride(0), out.stride(1),
-                           H=h, HALF=d // 2, BLOCK_H=triton.next_power_of_2(h), num_warps=4)
+        _rope_kernel[(t,)](
+            x,
+            cos,
+            sin,
+            positions,
+            x.stride(0),
+            x.stride(1),
+            out,
+            out.stride(0),
+            out.stride(1),
+            H=h,
+            HALF=d // 2,
+            BLOCK_H=triton.next_power_of_2(h),
+            num_warps=4,
+        )
     return out
 
 

@@ -71,8 +71,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.cfg, self.max_positions = cfg, max_positions
-        self.register_buffer("cos", torch.empty(max_positions, cfg.head_dim // 2, dtype=torch.float32),
-                             persistent=False)
+        self.register_buffer(
+            "cos", torch.empty(max_positions, cfg.head_dim // 2, dtype=torch.float32), persistent=False
+        )
         self.register_buffer("sin", torch.empty_like(self.cos), persistent=False)
         if self.cos.device.type != "meta":
             self.reset_tables()
@@ -107,18 +108,33 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                backend: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        backend: AttentionBackend,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         if qkv.is_cuda and self.q_norm is None:
             # One kernel: RoPE on q and k, and k/v written straight into their cache slots.
             from gramserve.model import fused_ops
 
             cache = backend.kv_cache
-            q = fused_ops.rope_and_store(qkv, self.num_heads, self.num_kv_heads, rope.cos, rope.sin, positions,
-                                         cache.k[self.layer], cache.v[self.layer], batch.out_cache_loc)
+            q = fused_ops.rope_and_store(
+                qkv,
+                self.num_heads,
+                self.num_kv_heads,
+                rope.cos,
+                rope.sin,
+                positions,
+                cache.k[self.layer],
+                cache.v[self.layer],
+                batch.out_cache_loc,
+            )
             return self.o_proj(backend.forward(q, None, None, self.layer, batch, self.scale))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -197,8 +213,11 @@ class LlamaForCausalLM(nn.Module):
         """Copy HF-named tensors into our (partly fused) parameters."""
         params = dict(self.named_parameters())
         fused = {
-            "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", 1),
+            "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
         }
         loaded: set[str] = set()
         for name, tensor in weights:
@@ -212,7 +231,7 @@ class LlamaForCausalLM(nn.Module):
             for i, part in enumerate(parts):
                 if part in fused:
                     fused_name, shard = fused[part]
-                    target = ".".join(parts[:i] + [fused_name] + parts[i + 1:])
+                    target = ".".join(parts[:i] + [fused_name] + parts[i + 1 :])
                     break
             if target not in params:
                 raise UnsupportedModelError(f"unexpected weight {name!r} for {self.cfg.architecture}")

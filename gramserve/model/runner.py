@@ -1,6 +1,6 @@
 """ModelRunner: builds the model on its device, loads weights, sizes and owns the KV cache, runs forwards.
 
-On CUDA it also picks the attention backend (`auto`: the fastest installed), sizes the KV pool from
+It takes a `RunnerConfig` whose `auto` values are already resolved. On CUDA it sizes the KV pool from
 `--mem-fraction-static` after the weights and an activation reserve, and replays decode CUDA graphs.
 """
 
@@ -22,6 +22,7 @@ from gramserve.model.loader import load_config_dict, resolve_model
 from gramserve.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class RunnerConfig:
@@ -69,8 +70,9 @@ class ModelRunner:
         path, kind = resolve_model(cfg.model_path, cfg.load_format)
         self.model_dir = path if os.path.isdir(path) else os.path.dirname(path)
         self.config = ModelConfig.from_dict(load_config_dict(path))
-        self.context_length = min(cfg.context_length or self.config.max_position_embeddings,
-                                  self.config.max_position_embeddings)
+        self.context_length = min(
+            cfg.context_length or self.config.max_position_embeddings, self.config.max_position_embeddings
+        )
 
         self.model = self._build_model()
         if kind == "dummy":
@@ -80,23 +82,37 @@ class ModelRunner:
 
         self.memory: dict | None = None
         num_slots = self._kv_slots(cfg.max_running_requests)
-        self.kv_cache = KVCache(self.config.num_layers, num_slots, self.config.num_kv_heads,
-                                self.config.head_dim, self.dtype, self.device)
+        self.kv_cache = KVCache(
+            self.config.num_layers, num_slots, self.config.num_kv_heads, self.config.head_dim, self.dtype, self.device
+        )
         if self.memory is not None:
             self.memory["kv_pool_gib"] = round(self.kv_cache.nbytes / 2**30, 2)
         backend_name = cfg.attention_backend
         self.backend = create_backend(backend_name, self.kv_cache, self.config.num_heads)
         self.graph_runner = None  # made by init_cuda_graphs once the req_to_token table exists
         self.info = RunnerInfo(
-            model_path=path, architecture=self.config.architecture, device=str(self.device),
-            dtype=str(self.dtype).removeprefix("torch."), context_length=self.context_length,
-            max_total_tokens=num_slots, vocab_size=self.config.vocab_size,
-            eos_token_ids=self.config.eos_token_ids, num_params=self.config.num_params(),
-            load_seconds=time.time() - t0, attention_backend=backend_name, memory=self.memory,
+            model_path=path,
+            architecture=self.config.architecture,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            context_length=self.context_length,
+            max_total_tokens=num_slots,
+            vocab_size=self.config.vocab_size,
+            eos_token_ids=self.config.eos_token_ids,
+            num_params=self.config.num_params(),
+            load_seconds=time.time() - t0,
+            attention_backend=backend_name,
+            memory=self.memory,
         )
-        logger.info("model %s loaded on %s (%s, %s attention) in %.1f s; KV pool %d tokens",
-                    self.config.architecture, self.device, self.info.dtype, backend_name, self.info.load_seconds,
-                    num_slots)
+        logger.info(
+            "model %s loaded on %s (%s, %s attention) in %.1f s; KV pool %d tokens",
+            self.config.architecture,
+            self.device,
+            self.info.dtype,
+            backend_name,
+            self.info.load_seconds,
+            num_slots,
+        )
         if self.memory is not None:
             logger.info("GPU memory (GiB): %s", self.memory)
 
@@ -127,8 +143,9 @@ class ModelRunner:
         self.model.load_weights(tensors())
 
     def _kv_slots(self, max_running_requests: int) -> int:
-        per_token = KVCache.bytes_per_token(self.config.num_layers, self.config.num_kv_heads,
-                                            self.config.head_dim, self.dtype)
+        per_token = KVCache.bytes_per_token(
+            self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, self.dtype
+        )
         if self.cfg.kv_cache_memory_gb is not None:
             budget = self.cfg.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
@@ -141,10 +158,13 @@ class ModelRunner:
             budget = total * self.cfg.mem_fraction_static - used
             budget -= max(0.0, activations - total * (1 - self.cfg.mem_fraction_static))
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            self.memory = {"device_total_gib": round(total / 2**30, 2), "weights_gib": round(weights / 2**30, 2),
-                           "used_before_kv_gib": round(used / 2**30, 2),
-                           "activation_reserve_gib": round(activations / 2**30, 2),
-                           "mem_fraction_static": self.cfg.mem_fraction_static}
+            self.memory = {
+                "device_total_gib": round(total / 2**30, 2),
+                "weights_gib": round(weights / 2**30, 2),
+                "used_before_kv_gib": round(used / 2**30, 2),
+                "activation_reserve_gib": round(activations / 2**30, 2),
+                "mem_fraction_static": self.cfg.mem_fraction_static,
+            }
         else:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = min(2 * 2**30, 0.2 * avail)
@@ -161,8 +181,9 @@ class ModelRunner:
         cfg, elt = self.config, torch.empty((), dtype=self.dtype).element_size()
         logits = max_running_requests * cfg.vocab_size * 4 * 3
         tokens = self.cfg.max_step_tokens
-        per_token = (cfg.hidden_size * 4 + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * 3
-                     + cfg.intermediate_size * 3) * elt
+        per_token = (
+            cfg.hidden_size * 4 + (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim * 3 + cfg.intermediate_size * 3
+        ) * elt
         return logits + tokens * per_token + 1.5 * 2**30
 
     def init_cuda_graphs(self, req_to_token: torch.Tensor) -> None:

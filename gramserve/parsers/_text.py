@@ -18,7 +18,7 @@ class ContentEmitter:
         if not body:
             self.pending = combined if self.started else ""
             return ""
-        self.pending = combined[len(body):]
+        self.pending = combined[len(body) :]
         if not self.started:
             self.started = True
             body = body.lstrip()

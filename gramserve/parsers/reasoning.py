@@ -66,7 +66,7 @@ class ReasoningParser(ABC):
             if self._phase == "start":
                 head = buf.lstrip()
                 if head.startswith(self.start_marker):
-                    self._buf = head[len(self.start_marker):]
+                    self._buf = head[len(self.start_marker) :]
                     self._phase = "reasoning"
                     continue
                 if not final and (not head or self.start_marker.startswith(head)):
@@ -77,12 +77,12 @@ class ReasoningParser(ABC):
                 i = buf.find(self.end_marker)
                 if i >= 0:
                     r.append(self._reasoning.push(buf[:i]))
-                    self._buf = buf[i + len(self.end_marker):]
+                    self._buf = buf[i + len(self.end_marker) :]
                     self._phase = "content"
                     continue
                 keep = 0 if final else partial_suffix(buf, self.end_marker)
                 r.append(self._reasoning.push(buf[: len(buf) - keep]))
-                self._buf = buf[len(buf) - keep:]
+                self._buf = buf[len(buf) - keep :]
                 break
             c.append(self._content.push(buf))
             self._buf = ""

@@ -44,8 +44,9 @@ class FlashInferSampling:
         self.generator = torch.Generator(device=device)
         self.generator.seed()
 
-    def sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
-               top_p: torch.Tensor | None) -> torch.Tensor:
+    def sample(
+        self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    ) -> torch.Tensor:
         """logits [B, V] float32; temperature [B] (> 0); top_k [B] int (V: no limit) or None when no row sets
         it; top_p [B] float (1.0: no limit) or None. Returns [B] int64 ids."""
         ops, gen = self._ops, self.generator

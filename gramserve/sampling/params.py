@@ -38,8 +38,9 @@ class SamplingParams:
     @property
     def edits_logits(self) -> bool:
         """Penalties or a logit bias: the sampler changes the model's logits before choosing."""
-        return bool(self.logit_bias or self.frequency_penalty or self.presence_penalty
-                    or self.repetition_penalty != 1.0)
+        return bool(
+            self.logit_bias or self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def raw_argmax(self) -> bool:

@@ -66,8 +66,11 @@ class PendingSample:
         logprobs = lp.tolist() if lp is not None else None
         top = None
         if logprobs is not None:
-            top = ([list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())] if self.want_top
-                   else [[] for _ in logprobs])
+            top = (
+                [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+                if self.want_top
+                else [[] for _ in logprobs]
+            )
         return SampleResult(ids.tolist(), logprobs, top)
 
 
@@ -162,8 +165,11 @@ class Sampler:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-        need = [i for i, r in enumerate(rows)
-                if r.params.frequency_penalty or r.params.presence_penalty or r.params.repetition_penalty != 1.0]
+        need = [
+            i
+            for i, r in enumerate(rows)
+            if r.params.frequency_penalty or r.params.presence_penalty or r.params.repetition_penalty != 1.0
+        ]
         if not need:
             return
         for i in need:
@@ -197,8 +203,7 @@ class Sampler:
 
     def _sample_kernels(self, logits: torch.Tensor, rows: list[SamplingRow], temps: list[float]) -> torch.Tensor:
         """Unseeded random rows through the sort-free kernels; seeded and min_p rows through the torch path."""
-        own = [i for i, r in enumerate(rows)
-               if not r.params.greedy and (r.generator is not None or r.params.min_p > 0)]
+        own = [i for i, r in enumerate(rows) if not r.params.greedy and (r.generator is not None or r.params.min_p > 0)]
         if len(own) == len(rows):
             return self._sample_torch(logits, rows, temps)
         # Greedy rows take the argmax afterwards; temperature 1 keeps their softmax finite meanwhile.
@@ -206,9 +211,11 @@ class Sampler:
         top_k = [r.params.top_k if 0 < r.params.top_k < self.vocab_size else self.vocab_size for r in rows]
         top_p = [r.params.top_p for r in rows]
         sampled = self.kernels.sample(
-            logits, t,
+            logits,
+            t,
             self._column(top_k, torch.int32) if any(k < self.vocab_size for k in top_k) else None,
-            self._column(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None)
+            self._column(top_p, torch.float32) if any(p < 1.0 for p in top_p) else None,
+        )
         if own:
             idx = self._column(own, torch.long)
             sampled[idx] = self._sample_torch(logits[idx], [rows[i] for i in own], [temps[i] for i in own])
@@ -220,8 +227,12 @@ class Sampler:
         step = max(1, TORCH_CHUNK_LOGITS // logits.shape[-1])
         if len(rows) <= step:
             return self._sample_torch_rows(logits, rows, temps)
-        return torch.cat([self._sample_torch_rows(logits[i:i + step], rows[i:i + step], temps[i:i + step])
-                          for i in range(0, len(rows), step)])
+        return torch.cat(
+            [
+                self._sample_torch_rows(logits[i : i + step], rows[i : i + step], temps[i : i + step])
+                for i in range(0, len(rows), step)
+            ]
+        )
 
     def _sample_torch_rows(self, logits: torch.Tensor, rows: list[SamplingRow], temps: list[float]) -> torch.Tensor:
         t = self._column([max(x, 1e-5) for x in temps], logits.dtype)
@@ -232,7 +243,9 @@ class Sampler:
             if r.generator is not None:
                 # Seeded noise is drawn on the CPU (where the request's generator lives), so a seed gives
                 # the same tokens on every device.
-                noise[i] = torch.empty(probs.shape[-1]).exponential_(generator=r.generator).to(noise.device, non_blocking=True)
+                noise[i] = (
+                    torch.empty(probs.shape[-1]).exponential_(generator=r.generator).to(noise.device, non_blocking=True)
+                )
         return (probs / noise).argmax(dim=-1)
 
     def _filter(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -19,8 +19,14 @@ LPM_WINDOW = 128  # waiting requests scored by prefix match per step (bounds the
 class Admission:
     """The waiting queue and the request being prefilled chunk by chunk."""
 
-    def __init__(self, kv: KvAccounting, schedule_policy: str, chunked_prefill_size: int, max_prefill_tokens: int,
-                 counters: SchedulerCounters):
+    def __init__(
+        self,
+        kv: KvAccounting,
+        schedule_policy: str,
+        chunked_prefill_size: int,
+        max_prefill_tokens: int,
+        counters: SchedulerCounters,
+    ):
         self.kv = kv
         self.cache = kv.cache
         self.req_pool = kv.req_pool

@@ -40,16 +40,24 @@ class BatchBuilder:
         offset = 0
         for req, n in picked:
             start = req.kv_len
-            self.req_pool.write(req.req_pool_idx, start, slots[offset:offset + n])
+            self.req_pool.write(req.req_pool_idx, start, slots[offset : offset + n])
             offset += n
-            ids += req.fill_ids[start:start + n]
+            ids += req.fill_ids[start : start + n]
             positions.append(torch.arange(start, start + n))
             rows.append(req.req_pool_idx)
             prefix_lens.append(start)
             new_lens.append(n)
             req.kv_len += n
-        return self._make_batch(ForwardMode.EXTEND, ids, torch.cat(positions), slots, rows,
-                                [p + n for p, n in zip(prefix_lens, new_lens)], prefix_lens, new_lens)
+        return self._make_batch(
+            ForwardMode.EXTEND,
+            ids,
+            torch.cat(positions),
+            slots,
+            rows,
+            [p + n for p, n in zip(prefix_lens, new_lens)],
+            prefix_lens,
+            new_lens,
+        )
 
     def decode(self, reqs: list[Req]) -> ForwardBatch:
         """One token on for each request."""
@@ -71,9 +79,16 @@ class BatchBuilder:
         return ForwardBatch(
             mode=ForwardMode.DECODE,
             # Each request's input is the token it sampled last, which may still be on the device (overlap).
-            input_ids=self.last_tokens[rows_dev], positions=positions_dev, out_cache_loc=slots,
-            req_pool_indices=rows_dev, seq_lens=seq_lens_dev, seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=positions, extend_seq_lens_cpu=[1] * len(reqs), req_to_token=self.req_pool.table)
+            input_ids=self.last_tokens[rows_dev],
+            positions=positions_dev,
+            out_cache_loc=slots,
+            req_pool_indices=rows_dev,
+            seq_lens=seq_lens_dev,
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=positions,
+            extend_seq_lens_cpu=[1] * len(reqs),
+            req_to_token=self.req_pool.table,
+        )
 
     def to_device(self, values: list[int]) -> torch.Tensor:
         # non_blocking: a plain host-to-device copy would wait for every kernel already queued (overlap).

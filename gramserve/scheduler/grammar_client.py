@@ -1,6 +1,6 @@
 """The scheduler's side of the grammar workers: which worker serves which request, and the step messages.
 
-There are `ServerArgs.grammar_shards` grammar workers. Each constrained request is given to one of them (its
+There are `Settings.grammar_shards` grammar workers. Each constrained request is given to one of them (its
 *shard*: the one with the fewest live requests, preferring one that compiled the same grammar lately) when its
 compile is asked for; that worker keeps its matcher until `free`. Each constrained request also owns one bitmask
 row (its *slot*, `grammar_slots.SlotTable`) while it runs. A grammar step asks every shard with work in it to
@@ -22,6 +22,7 @@ its rows of the last fed step (`GrammarStepReq.repeat_fed`) instead of being sen
 
 Compile results arrive asynchronously and are collected with `poll_compiles`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -84,8 +85,15 @@ class GrammarClient:
         # feed, repeated_fed_steps: those that reused the last fed step's rows; replies: the shards' answers;
         # fill_ms: accept + fill time in the grammar workers, summed over shards; apply_ms: masking the logits
         # (the scheduler's MaskApplier; the scheduler adds it here).
-        self.timing = {"steps": 0, "fed_steps": 0, "repeated_fed_steps": 0, "replies": 0,
-                       "wait_after_forward_ms": 0.0, "apply_ms": 0.0, "fill_ms": 0.0}
+        self.timing = {
+            "steps": 0,
+            "fed_steps": 0,
+            "repeated_fed_steps": 0,
+            "replies": 0,
+            "wait_after_forward_ms": 0.0,
+            "apply_ms": 0.0,
+            "fill_ms": 0.0,
+        }
 
     def attach(self, device: torch.device, use_feed: bool) -> None:
         """Bind to the scheduler's device, before anything copies masks out of the shared memory or ids into it;
@@ -212,8 +220,9 @@ class GrammarClient:
             repeat_fed = shard in repeat
             if not (accept or free or shard_fill or shard_fed or repeat_fed):
                 continue
-            self.to_grammar[shard].send_pyobj(GrammarStepReq(self._step, accept, shard_fill, free, busy_poll_ms,
-                                                             shard_fed, repeat_fed))
+            self.to_grammar[shard].send_pyobj(
+                GrammarStepReq(self._step, accept, shard_fill, free, busy_poll_ms, shard_fed, repeat_fed)
+            )
             self._accept[shard], self._free[shard] = [], []
             self._unanswered[shard].append(self._step)
             sent = True

@@ -16,8 +16,9 @@ from gramserve.scheduler.request import Req
 class KvAccounting:
     """Who may take KV slots: admission asks what is available and reserved, batches allocate, finishes release."""
 
-    def __init__(self, allocator: TokenSlotAllocator, req_pool: ReqToTokenPool, cache: RadixCache,
-                 reserve_ratio: float):
+    def __init__(
+        self, allocator: TokenSlotAllocator, req_pool: ReqToTokenPool, cache: RadixCache, reserve_ratio: float
+    ):
         self.allocator = allocator
         self.req_pool = req_pool
         self.cache = cache
@@ -45,9 +46,9 @@ class KvAccounting:
         slots = slots[:computed]
         already = self.cache.insert(req.fill_ids[:computed], slots) if computed else 0
         dup_end = max(already, req.prefix_len)
-        self.allocator.free(slots[req.prefix_len:dup_end])  # our own copies of what the tree already had
+        self.allocator.free(slots[req.prefix_len : dup_end])  # our own copies of what the tree already had
         if self.cache.disabled:
-            self.allocator.free(slots[req.prefix_len:])
+            self.allocator.free(slots[req.prefix_len :])
         if req.prefix_node is not None:
             self.cache.unlock(req.prefix_node)
         self.req_pool.free(req.req_pool_idx)

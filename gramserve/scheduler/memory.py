@@ -57,7 +57,7 @@ class ReqToTokenPool:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
-        self.table[row, start:start + slots.numel()] = slots.to(torch.int32)
+        self.table[row, start : start + slots.numel()] = slots.to(torch.int32)
 
     def slots(self, row: int, length: int) -> torch.Tensor:
         return self.table[row, :length].to(torch.int64)

@@ -19,8 +19,7 @@ logger = logging.getLogger(__name__)
 
 def run_scheduler_process(config: ServerConfig, ready_pipe) -> None:
     """Entry point of the scheduler process (multiprocessing spawn)."""
-    logging.basicConfig(level=config.args.log_level.upper(),
-                        format="%(asctime)s [scheduler] %(levelname)s %(message)s")
+    logging.basicConfig(level=config.args.log_level.upper(), format="%(asctime)s [scheduler] %(levelname)s %(message)s")
     exit_when_parent_dies()
     try:
         torch.set_num_threads(config.settings.scheduler_threads)

@@ -45,8 +45,9 @@ class Node:
 
     __slots__ = ("key", "value", "parent", "children", "lock_ref", "last_access", "namespace", "alive")
 
-    def __init__(self, key: list[int], value: torch.Tensor, parent: Node | None, namespace: Hashable,
-                 last_access: int = 0):
+    def __init__(
+        self, key: list[int], value: torch.Tensor, parent: Node | None, namespace: Hashable, last_access: int = 0
+    ):
         self.key = key
         self.value = value
         self.parent = parent
@@ -66,8 +67,10 @@ class Node:
 
     def __repr__(self) -> str:
         key = self.key if len(self.key) <= 8 else self.key[:8] + ["..."]
-        return (f"Node(ns={self.namespace!r}, key={key}, len={len(self.key)}, lock_ref={self.lock_ref}, "
-                f"children={len(self.children)}, alive={self.alive})")
+        return (
+            f"Node(ns={self.namespace!r}, key={key}, len={len(self.key)}, lock_ref={self.lock_ref}, "
+            f"children={len(self.children)}, alive={self.alive})"
+        )
 
 
 class MatchResult(NamedTuple):
@@ -165,11 +168,15 @@ class RadixCache:
                 self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
-        self._heap = [(n.last_access, next(self._seq), n) for n in self._iter_nodes()
-                      if n.lock_ref == 0 and not n.children]
+        self._heap = [
+            (n.last_access, next(self._seq), n) for n in self._iter_nodes() if n.lock_ref == 0 and not n.children
+        ]
         heapq.heapify(self._heap)
 
-    def _iter_nodes(self, namespace: Hashable = ..., ) -> Iterator[Node]:
+    def _iter_nodes(
+        self,
+        namespace: Hashable = ...,
+    ) -> Iterator[Node]:
         """All non-root nodes (of one namespace, or of all when none is given), parents before children."""
         roots = self._roots.values() if namespace is ... else [r for r in [self._roots.get(namespace)] if r]
         stack = [c for r in roots for c in r.children.values()]
@@ -295,8 +302,7 @@ class RadixCache:
         heap = self._heap
         while freed < num_tokens and heap:
             access, _, node = heapq.heappop(heap)
-            if (not node.alive or node.children or node.lock_ref or node.parent is None
-                    or node.last_access != access):
+            if not node.alive or node.children or node.lock_ref or node.parent is None or node.last_access != access:
                 continue  # stale entry
             parent = node.parent
             del parent.children[node.key[0]]

@@ -77,7 +77,7 @@ class Req:
         if self.grammar is not None and not self.grammar_started:
             marker = self.grammar.start_after
             # Each token is at least one character, so the last len(marker) tokens hold any marker just completed.
-            tail = tokenizer.decode(self.output_ids[-len(marker):], skip_special_tokens=False)
+            tail = tokenizer.decode(self.output_ids[-len(marker) :], skip_special_tokens=False)
             self.grammar_started = marker in tail
         past_min = n >= self.params.min_new_tokens
         if past_min and (token in self.eos_ids or token in self.stop_token_ids):
@@ -89,8 +89,9 @@ class Req:
 
     def _tail_has_stop_string(self, tokenizer) -> bool:
         # Each token decodes to at least one character or byte, so this many tokens cover any stop string.
-        tail = tokenizer.decode(self.output_ids[-self._stop_tail_tokens:],
-                                skip_special_tokens=self.params.skip_special_tokens)
+        tail = tokenizer.decode(
+            self.output_ids[-self._stop_tail_tokens :], skip_special_tokens=self.params.skip_special_tokens
+        )
         for s in self.params.stop:
             if s in tail:
                 self.finished = FinishReason("stop", matched=s)

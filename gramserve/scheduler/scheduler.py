@@ -25,7 +25,7 @@ from gramserve.config import ServerConfig
 from gramserve.messages import BatchTokenOut, FinishReason, TokenizedGenerateReq, TokenLogprob
 from gramserve.model.runner import ModelRunner, RunnerConfig
 from gramserve.sampling.grammar_masks import MaskApplier
-from gramserve.sampling.sampler import PendingSample, SampleResult, Sampler
+from gramserve.sampling.sampler import PendingSample, Sampler, SampleResult
 from gramserve.scheduler.admission import Admission
 from gramserve.scheduler.batch_builder import BatchBuilder
 from gramserve.scheduler.grammar_client import GrammarClient
@@ -68,12 +68,19 @@ def runner_config(config: ServerConfig) -> RunnerConfig:
     """The model runner's share of the server configuration."""
     args, settings = config.args, config.settings
     return RunnerConfig(
-        model_path=args.model_path, load_format=args.load_format, device=settings.device, dtype=settings.dtype,
-        attention_backend=settings.attention_backend, context_length=args.context_length,
-        kv_cache_memory_gb=args.kv_cache_memory_gb, mem_fraction_static=args.mem_fraction_static,
+        model_path=args.model_path,
+        load_format=args.load_format,
+        device=settings.device,
+        dtype=settings.dtype,
+        attention_backend=settings.attention_backend,
+        context_length=args.context_length,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        mem_fraction_static=args.mem_fraction_static,
         max_running_requests=settings.max_running_requests,
         max_step_tokens=settings.chunked_prefill_size or args.max_prefill_tokens,
-        cuda_graph_max_bs=settings.cuda_graph_max_bs, seed=args.seed)
+        cuda_graph_max_bs=settings.cuda_graph_max_bs,
+        seed=args.seed,
+    )
 
 
 class Scheduler:
@@ -108,8 +115,9 @@ class Scheduler:
         self.inflight: _Sampled | None = None  # overlap: the previous step, not yet read back
         self.stats = zero_counters()
         self.kv = KvAccounting(self.allocator, self.req_pool, self.cache, args.kv_reserve_ratio)
-        self.admission = Admission(self.kv, args.schedule_policy, settings.chunked_prefill_size,
-                                   args.max_prefill_tokens, self.stats)
+        self.admission = Admission(
+            self.kv, args.schedule_policy, settings.chunked_prefill_size, args.max_prefill_tokens, self.stats
+        )
         self.batches = BatchBuilder(self.kv, self.device, self.last_tokens)
         self.running: list[Req] = []
         self.finished_early: list[Req] = []  # rejected before running; reported by the next step
@@ -125,15 +133,18 @@ class Scheduler:
         req = Req(msg, max(max_new, 1), self.eos_ids)
         queued = len(self.admission.waiting) + len(self.grammar_wait)
         if max_new < 1 or len(msg.input_ids) + 1 > self.allocator.size:
-            req.finished = FinishReason("abort", message="prompt does not fit in the KV cache / context",
-                                        status_code=400)
+            req.finished = FinishReason(
+                "abort", message="prompt does not fit in the KV cache / context", status_code=400
+            )
         elif self.max_queued_requests is not None and queued >= self.max_queued_requests:
-            req.finished = FinishReason("abort", message=f"the waiting queue is full ({queued} requests); retry later",
-                                        status_code=503)
+            req.finished = FinishReason(
+                "abort", message=f"the waiting queue is full ({queued} requests); retry later", status_code=503
+            )
         elif req.grammar is not None:
             if self.grammar is None:
-                req.finished = FinishReason("abort", message="structured output is disabled on this server",
-                                            status_code=400)
+                req.finished = FinishReason(
+                    "abort", message="structured output is disabled on this server", status_code=400
+                )
             else:
                 self.grammar.compile(req.rid, req.grammar)
                 self.grammar_wait[req.rid] = req
@@ -153,8 +164,9 @@ class Scheduler:
             if req is None:
                 continue  # aborted meanwhile
             if resp.error is not None:
-                req.finished = FinishReason("abort", message=f"invalid or unsupported grammar: {resp.error}",
-                                            status_code=400)
+                req.finished = FinishReason(
+                    "abort", message=f"invalid or unsupported grammar: {resp.error}", status_code=400
+                )
                 self.finished_early.append(req)
             else:
                 req.grammar_backend = resp.backend
@@ -177,8 +189,9 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.admission.waiting or self.admission.chunked or self.finished_early
-                    or self.inflight)
+        return bool(
+            self.running or self.admission.waiting or self.admission.chunked or self.finished_early or self.inflight
+        )
 
     @torch.inference_mode()
     def step(self) -> BatchTokenOut | None:
@@ -376,8 +389,9 @@ class Scheduler:
         rejected = self.grammar.take_rejected(r.rid for r in fwd.reqs)
         for req in fwd.reqs if rejected else ():
             if req.rid in rejected and req.finished is None:
-                req.finished = FinishReason("abort", message="the grammar rejected a token (internal error)",
-                                            status_code=500)
+                req.finished = FinishReason(
+                    "abort", message="the grammar rejected a token (internal error)", status_code=500
+                )
                 self.finished_early.append(req)  # reported by the next step's output
         t0 = time.perf_counter()
         self.mask_applier.apply(fwd.logits, masks.pairs)
@@ -387,7 +401,7 @@ class Scheduler:
         # One comprehension per field: this runs every step for every running request.
         out = BatchTokenOut(
             rids=[r.rid for r in reqs],
-            new_token_ids=[r.output_ids[r.sent_tokens:] for r in reqs],
+            new_token_ids=[r.output_ids[r.sent_tokens :] for r in reqs],
             finished=[r.finished for r in reqs],
             prompt_tokens=[r.prompt_len for r in reqs],
             completion_tokens=[len(r.output_ids) for r in reqs],
@@ -395,7 +409,8 @@ class Scheduler:
             logprobs=[r.pending_logprobs if r.return_logprob else None for r in reqs],
             stop_strs=[r.params.stop for r in reqs],
             skip_special_tokens=[r.params.skip_special_tokens for r in reqs],
-            grammar_backends=[r.grammar_backend for r in reqs])
+            grammar_backends=[r.grammar_backend for r in reqs],
+        )
         for req in reqs:
             req.sent_tokens = len(req.output_ids)
             if req.return_logprob:
@@ -441,5 +456,14 @@ class Scheduler:
         return {"ok": True}
 
     def server_info(self) -> dict:
-        return server_info_report(self.runner.info, self.sampler.backend, self.kv, self.stats, len(self.running),
-                                  len(self.admission.waiting), len(self.grammar_wait), self.grammar, self.phases)
+        return server_info_report(
+            self.runner.info,
+            self.sampler.backend,
+            self.kv,
+            self.stats,
+            len(self.running),
+            len(self.admission.waiting),
+            len(self.grammar_wait),
+            self.grammar,
+            self.phases,
+        )

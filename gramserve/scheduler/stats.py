@@ -21,8 +21,15 @@ class StepPhases:
     grammar_apply: wait for the grammar masks and apply them; launch_sampling: queue the sampling.
     """
 
-    NAMES = ("launch_forward", "wait_tokens", "record_tokens", "output", "grammar_feed", "grammar_apply",
-             "launch_sampling")
+    NAMES = (
+        "launch_forward",
+        "wait_tokens",
+        "record_tokens",
+        "output",
+        "grammar_feed",
+        "grammar_apply",
+        "launch_sampling",
+    )
 
     def __init__(self):
         self.ms = dict.fromkeys(self.NAMES, 0.0)
@@ -54,13 +61,27 @@ class SchedulerCounters(TypedDict):
 
 
 def zero_counters() -> SchedulerCounters:
-    return SchedulerCounters(requests_finished=0, prompt_tokens=0, generation_tokens=0, forward_steps=0,
-                             retractions=0, cached_prompt_tokens=0)
+    return SchedulerCounters(
+        requests_finished=0,
+        prompt_tokens=0,
+        generation_tokens=0,
+        forward_steps=0,
+        retractions=0,
+        cached_prompt_tokens=0,
+    )
 
 
-def server_info_report(runner: RunnerInfo, sampling_backend: str, kv: KvAccounting, counters: SchedulerCounters,
-                       num_running: int, num_waiting: int, num_grammar_compiling: int,
-                       grammar: GrammarClient | None, phases: StepPhases) -> dict:
+def server_info_report(
+    runner: RunnerInfo,
+    sampling_backend: str,
+    kv: KvAccounting,
+    counters: SchedulerCounters,
+    num_running: int,
+    num_waiting: int,
+    num_grammar_compiling: int,
+    grammar: GrammarClient | None,
+    phases: StepPhases,
+) -> dict:
     """The scheduler's part of /get_server_info."""
     allocator, cache = kv.allocator, kv.cache
     return {

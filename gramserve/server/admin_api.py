@@ -21,8 +21,15 @@ def admin_router(config: ServerConfig, tm: TokenizerManager) -> APIRouter:
     async def server_info():
         info = await tm.control("server_info")
         # As given, as resolved (every `auto`), as derived at start-up; then the scheduler's live report.
-        return JSONResponse({"server_args": config.args.to_dict(), "settings": config.settings.to_dict(),
-                             "launch": config.launch.to_dict(), "model_name": config.args.model_name, **info})
+        return JSONResponse(
+            {
+                "server_args": config.args.to_dict(),
+                "settings": config.settings.to_dict(),
+                "launch": config.launch.to_dict(),
+                "model_name": config.args.model_name,
+                **info,
+            }
+        )
 
     @router.post("/flush_cache")
     async def flush_cache():

@@ -46,8 +46,9 @@ def final_output(text: str | None, plan: ToolPlan | None, reasoning: ReasoningPa
     if plan is None or not plan.parses_calls or text is None:
         return ChoiceOutput(reasoning_text, text, None)
     parsed = plan.new_parser().parse(text)
-    calls = [P.ToolCall(id=call_id(), function=P.FunctionCall(name=c.name, arguments=c.arguments))
-             for c in parsed.calls]
+    calls = [
+        P.ToolCall(id=call_id(), function=P.FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.calls
+    ]
     if not calls:
         return ChoiceOutput(reasoning_text, text, None)
     return ChoiceOutput(reasoning_text, parsed.content, calls)
@@ -63,8 +64,11 @@ class DeltaFields:
         return bool(self.reasoning_content or self.content or self.tool_calls)
 
     def message(self) -> P.DeltaMessage:
-        return P.DeltaMessage(reasoning_content=self.reasoning_content or None, content=self.content or None,
-                              tool_calls=self.tool_calls or None)
+        return P.DeltaMessage(
+            reasoning_content=self.reasoning_content or None,
+            content=self.content or None,
+            tool_calls=self.tool_calls or None,
+        )
 
 
 class ChoiceStream:
@@ -103,9 +107,15 @@ class ChoiceStream:
             for d in piece.calls:
                 if d.name is not None:
                     self.calls_made += 1
-                    out.tool_calls.append(P.DeltaToolCall(
-                        index=d.index, id=call_id(), type="function",
-                        function=P.DeltaFunctionCall(name=d.name, arguments=d.arguments or "")))
+                    out.tool_calls.append(
+                        P.DeltaToolCall(
+                            index=d.index,
+                            id=call_id(),
+                            type="function",
+                            function=P.DeltaFunctionCall(name=d.name, arguments=d.arguments or ""),
+                        )
+                    )
                 elif d.arguments:
-                    out.tool_calls.append(P.DeltaToolCall(index=d.index,
-                                                          function=P.DeltaFunctionCall(arguments=d.arguments)))
+                    out.tool_calls.append(
+                        P.DeltaToolCall(index=d.index, function=P.DeltaFunctionCall(arguments=d.arguments))
+                    )

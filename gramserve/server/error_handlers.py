@@ -14,14 +14,23 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from gramserve.sampling.params import SamplingParamsError
 from gramserve.server import protocol as P
 from gramserve.server.errors import (
-    ClientDisconnectedError, EngineError, InvalidRequestError, ModelNotServedError, ServerBusyError,
+    ClientDisconnectedError,
+    EngineError,
+    InvalidRequestError,
+    ModelNotServedError,
+    ServerBusyError,
 )
 
 logger = logging.getLogger(__name__)
 
 
-def error_response(status: int, message: str, err_type: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    err_type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> JSONResponse:
     body = P.ErrorResponse(error=P.ErrorDetail(message=message, type=err_type, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status)
 
@@ -63,8 +72,9 @@ ERROR_HANDLERS: dict[type[Exception], Callable[..., JSONResponse]] = {
     SamplingParamsError: lambda exc: error_response(400, str(exc), param=exc.param),
     ModelNotServedError: lambda exc: error_response(404, str(exc), param="model", code="model_not_found"),
     StarletteHTTPException: _on_http,
-    ClientDisconnectedError: lambda exc: error_response(499, "client closed the request",
-                                                        err_type="client_closed_request"),
+    ClientDisconnectedError: lambda exc: error_response(
+        499, "client closed the request", err_type="client_closed_request"
+    ),
     ServerBusyError: _on_busy,
     EngineError: lambda exc: error_response(500, str(exc), err_type="internal_error"),
     Exception: _on_internal,

@@ -1,4 +1,5 @@
-"""Start the server: the scheduler and detokenizer processes, then the HTTP server in this process.
+"""Start the server: resolve the settings, derive the launch record, start the scheduler, detokenizer and grammar
+worker processes, then the HTTP server in this process.
 
 Start-up waits until the scheduler has loaded the model. If a child process dies, the server logs it and
 exits non-zero; on Ctrl-C / SIGTERM the children are stopped too (and they exit on their own if we vanish).
@@ -46,7 +47,8 @@ def tokenizer_dir_for(args: ServerArgs) -> str:
         return path
     folder = path if os.path.isdir(path) else os.path.dirname(path)
     if os.path.exists(os.path.join(folder, "tokenizer.json")) or os.path.exists(
-            os.path.join(folder, "tokenizer_config.json")):
+        os.path.join(folder, "tokenizer_config.json")
+    ):
         return folder
     return default_tokenizer_dir()
 
@@ -111,8 +113,14 @@ def derive_launch_info(args: ServerArgs, tokenizer_dir: str, ipc_dir: str, token
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
     parser, text_tokens = resolve_parsers(args, tokenizer)
-    return LaunchInfo(tokenizer_dir=tokenizer_dir, ipc_dir=ipc_dir, vocab_size=model_cfg.vocab_size,
-                      eos_token_ids=tuple(sorted(eos)), tool_call_parser=parser, grammar_text_tokens=text_tokens)
+    return LaunchInfo(
+        tokenizer_dir=tokenizer_dir,
+        ipc_dir=ipc_dir,
+        vocab_size=model_cfg.vocab_size,
+        eos_token_ids=tuple(sorted(eos)),
+        tool_call_parser=parser,
+        grammar_text_tokens=text_tokens,
+    )
 
 
 def launch_server(args: ServerArgs) -> int:
@@ -135,8 +143,10 @@ def launch_server(args: ServerArgs) -> int:
         config = ServerConfig(args, settings, dataclasses.replace(launch, grammar_shm=shm.name))
         pipes = {}
         children = [("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)]
-        children += [(worker_name(i, settings.grammar_shards), functools.partial(run_grammar_worker, shard=i))
-                     for i in range(settings.grammar_shards)]
+        children += [
+            (worker_name(i, settings.grammar_shards), functools.partial(run_grammar_worker, shard=i))
+            for i in range(settings.grammar_shards)
+        ]
         for name, target in children:
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_child_entry, args=(target, config, writer), name=name)
@@ -179,8 +189,16 @@ def _serve(config: ServerConfig, tokenizer, runner_info: dict, procs: dict[str, 
     args = config.args
     tm = TokenizerManager(config, tokenizer, runner_info["context_length"], runner_info["vocab_size"])
     app = create_app(config, tm, runner_info)
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                                    timeout_keep_alive=30, timeout_graceful_shutdown=5))
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            timeout_keep_alive=30,
+            timeout_graceful_shutdown=5,
+        )
+    )
     dead: list[str] = []
 
     def on_signal(signum, _frame) -> None:
@@ -203,8 +221,14 @@ def _serve(config: ServerConfig, tokenizer, runner_info: dict, procs: dict[str, 
             time.sleep(0.5)
 
     threading.Thread(target=watchdog, name="child-watchdog", daemon=True).start()
-    logger.info("serving %s on http://%s:%d (KV pool %d tokens, context %d)", args.model_name, args.host,
-                args.port, runner_info["max_total_tokens"], runner_info["context_length"])
+    logger.info(
+        "serving %s on http://%s:%d (KV pool %d tokens, context %d)",
+        args.model_name,
+        args.host,
+        args.port,
+        runner_info["max_total_tokens"],
+        runner_info["context_length"],
+    )
     server.run()
     if dead:
         return 1

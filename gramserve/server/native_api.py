@@ -20,14 +20,29 @@ from gramserve.server.structured_outputs import grammar_from_fields
 from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 
 # sampling_params keys that constrain the output (structured_outputs.py reads them) rather than sample
-NATIVE_GRAMMAR_KEYS = frozenset({"json_schema", "regex", "ebnf", "structural_tag", "choice", "grammar_backend",
-                                 "response_format", "structured_outputs"})
+NATIVE_GRAMMAR_KEYS = frozenset(
+    {
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+        "choice",
+        "grammar_backend",
+        "response_format",
+        "structured_outputs",
+    }
+)
 
 
 def _payload(req: P.GenerateRequest, text: str, ids: list[int], out: GenerateOutput, lps: list[TokenLogprob]) -> dict:
-    meta = {"id": req.rid, "finish_reason": out.finished.to_json() if out.finished else None,
-            "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "cached_tokens": out.cached_tokens, "grammar_backend": out.grammar_backend}
+    meta = {
+        "id": req.rid,
+        "finish_reason": out.finished.to_json() if out.finished else None,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": out.cached_tokens,
+        "grammar_backend": out.grammar_backend,
+    }
     if req.return_logprob:
         meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in lps]
         meta["output_top_logprobs"] = [[[v, i] for i, v in lp.top] for lp in lps]
@@ -70,9 +85,18 @@ def native_router(args: ServerArgs, tm: TokenizerManager) -> APIRouter:
         grammar = grammar_from_fields({k: sampling.pop(k) for k in list(sampling) if k in NATIVE_GRAMMAR_KEYS}, args)
         params = native_sampling_params(sampling, tm.vocab_size)
         check_prompt(input_ids, params.max_new_tokens, tm.vocab_size, tm.context_length)
-        gen = await prefetch_first(tm.generate(
-            input_ids, params, rid=req.rid, return_logprob=req.return_logprob, top_logprobs=req.top_logprobs_num,
-            grammar=grammar, priority=req.priority, is_disconnected=request.is_disconnected))
+        gen = await prefetch_first(
+            tm.generate(
+                input_ids,
+                params,
+                rid=req.rid,
+                return_logprob=req.return_logprob,
+                top_logprobs=req.top_logprobs_num,
+                grammar=grammar,
+                priority=req.priority,
+                is_disconnected=request.is_disconnected,
+            )
+        )
         if req.stream:
             return StreamingResponse(_stream(req, gen), media_type="text/event-stream")
         return JSONResponse(await _collect(req, gen))

@@ -18,7 +18,11 @@ from gramserve.server import protocol as P
 from gramserve.server.chat_output import ChoiceStream, DeltaFields, final_output, finish_reason
 from gramserve.server.errors import InvalidRequestError
 from gramserve.server.request_checks import (
-    chat_top_logprobs, check_chat_messages, check_completion_options, check_openai_options, check_prompt,
+    chat_top_logprobs,
+    check_chat_messages,
+    check_completion_options,
+    check_openai_options,
+    check_prompt,
 )
 from gramserve.server.sampling_request import openai_sampling_params
 from gramserve.server.streaming import SSE_DONE, prefetch_first, sse
@@ -79,15 +83,30 @@ class OpenAIServing:
     def _check_prompt(self, input_ids: list[int], params: SamplingParams) -> None:
         check_prompt(input_ids, params.max_new_tokens, self.tm.vocab_size, self.tm.context_length)
 
-    async def _merged(self, input_ids: list[int], params: SamplingParams, n: int, rid: str,
-                      logprobs: int | None, is_disconnected, grammar: GrammarRequest | None = None,
-                      priority: int = 0) -> AsyncIterator[tuple[int, GenerateOutput]]:
+    async def _merged(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        n: int,
+        rid: str,
+        logprobs: int | None,
+        is_disconnected,
+        grammar: GrammarRequest | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[tuple[int, GenerateOutput]]:
         """Run n engine requests (prompt and params already checked) and yield (choice index, output) as they
         arrive."""
         gens = [
-            self.tm.generate(input_ids, _params_for_choice(params, i), rid=f"{rid}-{i}",
-                             return_logprob=logprobs is not None, top_logprobs=logprobs or 0,
-                             grammar=grammar, priority=priority, is_disconnected=is_disconnected)
+            self.tm.generate(
+                input_ids,
+                _params_for_choice(params, i),
+                rid=f"{rid}-{i}",
+                return_logprob=logprobs is not None,
+                top_logprobs=logprobs or 0,
+                grammar=grammar,
+                priority=priority,
+                is_disconnected=is_disconnected,
+            )
             for i in range(n)
         ]
         if n == 1:
@@ -126,19 +145,28 @@ class OpenAIServing:
                 await g.aclose()
 
     def _usage(self, prompt_tokens: int, completion: int, cached: int) -> P.UsageInfo:
-        return P.UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                           total_tokens=prompt_tokens + completion,
-                           prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
+        return P.UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion,
+            total_tokens=prompt_tokens + completion,
+            prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached),
+        )
 
     def _chat_logprobs(self, lps: list[TokenLogprob]) -> list[P.ChatLogprobToken]:
         items = []
         for lp in lps:
             tok = self.tm.token_text(lp.token_id)
-            items.append(P.ChatLogprobToken(
-                token=tok, logprob=lp.logprob, bytes=list(tok.encode("utf-8")),
-                top_logprobs=[P.TopLogprob(token=(t := self.tm.token_text(i)), logprob=v, bytes=list(t.encode()))
-                              for i, v in lp.top],
-            ))
+            items.append(
+                P.ChatLogprobToken(
+                    token=tok,
+                    logprob=lp.logprob,
+                    bytes=list(tok.encode("utf-8")),
+                    top_logprobs=[
+                        P.TopLogprob(token=(t := self.tm.token_text(i)), logprob=v, bytes=list(t.encode()))
+                        for i, v in lp.top
+                    ],
+                )
+            )
         return items
 
     # --- chat ---------------------------------------------------------------------------------
@@ -154,20 +182,23 @@ class OpenAIServing:
                 backend = checked_backend(req.grammar_backend or self.args.grammar_backend)
                 grammar = tool_grammar(plan, self.args, backend)
             elif plan.mode in ("required", "named"):
-                raise InvalidRequestError("tool_choice required or a named function cannot be combined with "
-                                          "another output constraint (response_format, regex, ...)", "tool_choice")
+                raise InvalidRequestError(
+                    "tool_choice required or a named function cannot be combined with "
+                    "another output constraint (response_format, regex, ...)",
+                    "tool_choice",
+                )
             # tool_choice auto plus response_format: the response format constrains; calls are still parsed.
         kwargs = dict(req.chat_template_kwargs or {})
         if grammar is not None and self.reasoning_cls is not None and self.reasoning_cls(kwargs).thinking:
             # The model thinks first: the constraint applies from the end of its reasoning on.
             grammar = replace(grammar, start_after=self.reasoning_cls.end_marker)
         check_chat_messages(req)
-        messages, tools = render_messages(req.messages, plan, self.native_tools,
-                                          get_tool_call_parser(self.tool_parser))
+        messages, tools = render_messages(req.messages, plan, self.native_tools, get_tool_call_parser(self.tool_parser))
         if tools is not None:
             kwargs["tools"] = tools
-        input_ids = self.tm.apply_chat_template(messages, req.add_generation_prompt, req.continue_final_message,
-                                                **kwargs)
+        input_ids = self.tm.apply_chat_template(
+            messages, req.add_generation_prompt, req.continue_final_message, **kwargs
+        )
         if plan is not None and plan.parses_calls and "skip_special_tokens" not in req.model_fields_set:
             # Call markers are special tokens in some tokenizers ([TOOL_CALLS], DeepSeek's, Kimi's): keep
             # them in the text the parser reads (the EOS that ends the answer is dropped anyway).
@@ -183,8 +214,9 @@ class OpenAIServing:
         texts = [""] * req.n
         lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
         finals: list[GenerateOutput | None] = [None] * req.n
-        async for i, out in self._merged(setup.input_ids, setup.params, req.n, rid, top, is_disconnected,
-                                         setup.grammar, req.priority):
+        async for i, out in self._merged(
+            setup.input_ids, setup.params, req.n, rid, top, is_disconnected, setup.grammar, req.priority
+        ):
             texts[i] += out.text
             if out.logprobs:
                 lps[i] += out.logprobs
@@ -192,17 +224,22 @@ class OpenAIServing:
         choices = []
         for i, out in enumerate(finals):
             parsed = final_output(texts[i], setup.tools, setup.reasoning())
-            choices.append(P.ChatChoice(
-                index=i, message=P.ChatResponseMessage(content=parsed.content, tool_calls=parsed.tool_calls,
-                                                       reasoning_content=parsed.reasoning_content),
-                logprobs=P.ChatLogprobs(content=self._chat_logprobs(lps[i])) if top is not None else None,
-                finish_reason=finish_reason(out.finish_reason, setup.tools, bool(parsed.tool_calls)),
-                matched_stop=out.matched_stop,
-            ))
+            choices.append(
+                P.ChatChoice(
+                    index=i,
+                    message=P.ChatResponseMessage(
+                        content=parsed.content, tool_calls=parsed.tool_calls, reasoning_content=parsed.reasoning_content
+                    ),
+                    logprobs=P.ChatLogprobs(content=self._chat_logprobs(lps[i])) if top is not None else None,
+                    finish_reason=finish_reason(out.finish_reason, setup.tools, bool(parsed.tool_calls)),
+                    matched_stop=out.matched_stop,
+                )
+            )
         completion = sum(o.completion_tokens for o in finals)
         usage = self._usage(finals[0].prompt_tokens, completion, finals[0].cached_tokens)
-        return P.ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage,
-                                        grammar_backend=finals[0].grammar_backend)
+        return P.ChatCompletionResponse(
+            id=rid, model=self.model_name, choices=choices, usage=usage, grammar_backend=finals[0].grammar_backend
+        )
 
     async def chat_stream(self, req: P.ChatCompletionRequest, is_disconnected) -> AsyncIterator[str]:
         """Validates eagerly (errors raise before the first byte), then returns the SSE stream."""
@@ -211,16 +248,22 @@ class OpenAIServing:
         rid = P.random_id("chatcmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        merged = await prefetch_first(self._merged(setup.input_ids, setup.params, req.n, rid, top, is_disconnected,
-                                                   setup.grammar, req.priority))
+        merged = await prefetch_first(
+            self._merged(setup.input_ids, setup.params, req.n, rid, top, is_disconnected, setup.grammar, req.priority)
+        )
         choice_streams = [ChoiceStream(setup.tools, setup.reasoning()) for _ in range(req.n)]
 
         async def stream() -> AsyncIterator[str]:
             totals = [0] * req.n
             prompt = cached = 0
             for i in range(req.n):
-                yield sse(P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[
-                    P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))]))
+                yield sse(
+                    P.ChatCompletionChunk(
+                        id=rid,
+                        model=self.model_name,
+                        choices=[P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))],
+                    )
+                )
             try:
                 async for i, out in merged:
                     totals[i], prompt, cached = out.completion_tokens, out.prompt_tokens, out.cached_tokens
@@ -234,16 +277,22 @@ class OpenAIServing:
                     if not fields and out.finished is None and not out.logprobs:
                         continue
                     choice = P.ChatStreamChoice(
-                        index=i, delta=fields.message(),
+                        index=i,
+                        delta=fields.message(),
                         logprobs=P.ChatLogprobs(content=self._chat_logprobs(out.logprobs or []))
-                        if top is not None else None,
+                        if top is not None
+                        else None,
                         finish_reason=finish_reason(out.finish_reason, setup.tools, cs.calls_made > 0),
-                        matched_stop=out.matched_stop)
+                        matched_stop=out.matched_stop,
+                    )
                     usage = self._usage(prompt, totals[i], cached) if continuous else None
                     yield sse(P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[choice], usage=usage))
                 if include_usage:
-                    yield sse(P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[],
-                                                    usage=self._usage(prompt, sum(totals), cached)))
+                    yield sse(
+                        P.ChatCompletionChunk(
+                            id=rid, model=self.model_name, choices=[], usage=self._usage(prompt, sum(totals), cached)
+                        )
+                    )
             except InvalidRequestError as exc:
                 yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param}})
             finally:
@@ -300,8 +349,9 @@ class OpenAIServing:
             texts = [""] * req.n
             lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
             finals: list[GenerateOutput | None] = [None] * req.n
-            async for i, out in self._merged(ids, setup.params, req.n, f"{rid}-{pi}", req.logprobs,
-                                             is_disconnected, setup.grammar, req.priority):
+            async for i, out in self._merged(
+                ids, setup.params, req.n, f"{rid}-{pi}", req.logprobs, is_disconnected, setup.grammar, req.priority
+            ):
                 texts[i] += out.text
                 lps[i] += out.logprobs or []
                 finals[i] = out
@@ -314,21 +364,33 @@ class OpenAIServing:
             cached_total += finals[0].cached_tokens
             for i in range(req.n):
                 completion_total += finals[i].completion_tokens
-                choices.append(P.CompletionChoice(
-                    index=pi * req.n + i, text=texts[i],
-                    logprobs=self._completion_logprobs(lps[i], 0) if req.logprobs is not None else None,
-                    finish_reason=finals[i].finish_reason, matched_stop=finals[i].matched_stop))
-        return P.CompletionResponse(id=rid, model=self.model_name, choices=choices,
-                                    usage=self._usage(prompt_total, completion_total, cached_total),
-                                    grammar_backend=results[0][2][0].grammar_backend)
+                choices.append(
+                    P.CompletionChoice(
+                        index=pi * req.n + i,
+                        text=texts[i],
+                        logprobs=self._completion_logprobs(lps[i], 0) if req.logprobs is not None else None,
+                        finish_reason=finals[i].finish_reason,
+                        matched_stop=finals[i].matched_stop,
+                    )
+                )
+        return P.CompletionResponse(
+            id=rid,
+            model=self.model_name,
+            choices=choices,
+            usage=self._usage(prompt_total, completion_total, cached_total),
+            grammar_backend=results[0][2][0].grammar_backend,
+        )
 
     async def completions_stream(self, req: P.CompletionRequest, is_disconnected) -> AsyncIterator[str]:
         """Validates eagerly (errors raise before the first byte), then returns the SSE stream."""
         setup = self._completion_setup(req)
         rid = P.random_id("cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        merged = await prefetch_first(self._merged(setup.prompts[0], setup.params, req.n, rid, req.logprobs,
-                                                   is_disconnected, setup.grammar, req.priority))
+        merged = await prefetch_first(
+            self._merged(
+                setup.prompts[0], setup.params, req.n, rid, req.logprobs, is_disconnected, setup.grammar, req.priority
+            )
+        )
 
         async def stream() -> AsyncIterator[str]:
             totals = [0] * req.n
@@ -343,12 +405,27 @@ class OpenAIServing:
                     if req.logprobs is not None:
                         lp = self._completion_logprobs(out.logprobs or [], offsets[i])
                     offsets[i] += len(out.text)
-                    yield sse(P.CompletionResponse(id=rid, model=self.model_name, choices=[P.CompletionChoice(
-                        index=i, text=out.text, logprobs=lp, finish_reason=out.finish_reason,
-                        matched_stop=out.matched_stop)]))
+                    yield sse(
+                        P.CompletionResponse(
+                            id=rid,
+                            model=self.model_name,
+                            choices=[
+                                P.CompletionChoice(
+                                    index=i,
+                                    text=out.text,
+                                    logprobs=lp,
+                                    finish_reason=out.finish_reason,
+                                    matched_stop=out.matched_stop,
+                                )
+                            ],
+                        )
+                    )
                 if include_usage:
-                    yield sse(P.CompletionResponse(id=rid, model=self.model_name, choices=[],
-                                                   usage=self._usage(prompt, sum(totals), cached)))
+                    yield sse(
+                        P.CompletionResponse(
+                            id=rid, model=self.model_name, choices=[], usage=self._usage(prompt, sum(totals), cached)
+                        )
+                    )
             except InvalidRequestError as exc:
                 yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param}})
             finally:

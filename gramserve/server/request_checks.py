@@ -60,10 +60,13 @@ def check_prompt(input_ids: list[int], max_new_tokens: int | None, vocab_size: i
         raise InvalidRequestError("prompt token ids must be within the vocabulary", "prompt")
     if n >= context_length:
         raise InvalidRequestError(
-            f"This model's maximum context length is {context_length} tokens. "
-            f"However, your prompt has {n} tokens.", "messages")
+            f"This model's maximum context length is {context_length} tokens. However, your prompt has {n} tokens.",
+            "messages",
+        )
     if max_new_tokens is not None and n + max_new_tokens > context_length:
         raise InvalidRequestError(
             f"This model's maximum context length is {context_length} tokens. However, you requested "
             f"{n + max_new_tokens} tokens ({n} in the prompt, {max_new_tokens} for the "
-            f"completion). Please reduce the prompt or max_tokens.", "max_tokens")
+            f"completion). Please reduce the prompt or max_tokens.",
+            "max_tokens",
+        )

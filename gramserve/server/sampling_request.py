@@ -17,9 +17,21 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; cha
 
 # Native sampling_params names the builder spells differently (SGLang's names -> OpenAI's).
 _NATIVE_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
-_NATIVE_SAME_NAMES = {"temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                      "repetition_penalty", "seed", "logit_bias", "stop", "stop_token_ids", "ignore_eos",
-                      "skip_special_tokens"}
+_NATIVE_SAME_NAMES = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "seed",
+    "logit_bias",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+}
 NATIVE_SAMPLING_KEYS = frozenset(_NATIVE_RENAMES) | _NATIVE_SAME_NAMES | {"sampling_seed"}
 
 
@@ -37,13 +49,25 @@ def _token_bias(bias: dict[Any, Any] | None) -> dict[int, float]:
     return out
 
 
-def build_sampling_params(vocab_size: int, *, max_tokens: int | None = None, min_tokens: int | None = None,
-                          temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                          min_p: float | None = None, frequency_penalty: float | None = None,
-                          presence_penalty: float | None = None, repetition_penalty: float | None = None,
-                          seed: int | None = None, logit_bias: dict[Any, float] | None = None,
-                          stop: str | list[str] | None = None, stop_token_ids: list[int] | None = None,
-                          ignore_eos: bool | None = None, skip_special_tokens: bool | None = None) -> SamplingParams:
+def build_sampling_params(
+    vocab_size: int,
+    *,
+    max_tokens: int | None = None,
+    min_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    repetition_penalty: float | None = None,
+    seed: int | None = None,
+    logit_bias: dict[Any, float] | None = None,
+    stop: str | list[str] | None = None,
+    stop_token_ids: list[int] | None = None,
+    ignore_eos: bool | None = None,
+    skip_special_tokens: bool | None = None,
+) -> SamplingParams:
     """Fields as the OpenAI API names them. Raises InvalidRequestError / SamplingParamsError (both 400s)."""
     params = SamplingParams(
         max_new_tokens=max_tokens,
@@ -76,11 +100,23 @@ def requested_max_tokens(req: P.SamplingFields) -> int | None:
 
 def openai_sampling_params(req: P.SamplingFields, vocab_size: int) -> SamplingParams:
     return build_sampling_params(
-        vocab_size, max_tokens=requested_max_tokens(req), min_tokens=req.min_tokens, temperature=req.temperature,
-        top_p=req.top_p, top_k=req.top_k, min_p=req.min_p, frequency_penalty=req.frequency_penalty,
-        presence_penalty=req.presence_penalty, repetition_penalty=req.repetition_penalty, seed=req.seed,
-        logit_bias=req.logit_bias, stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-        skip_special_tokens=req.skip_special_tokens)
+        vocab_size,
+        max_tokens=requested_max_tokens(req),
+        min_tokens=req.min_tokens,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+        min_p=req.min_p,
+        frequency_penalty=req.frequency_penalty,
+        presence_penalty=req.presence_penalty,
+        repetition_penalty=req.repetition_penalty,
+        seed=req.seed,
+        logit_bias=req.logit_bias,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        skip_special_tokens=req.skip_special_tokens,
+    )
 
 
 def native_sampling_params(sampling_params: dict[str, Any], vocab_size: int) -> SamplingParams:

@@ -102,8 +102,10 @@ def _from_response_format(rf: Any, args: ServerArgs) -> tuple[str, str] | None:
         return "json_schema", _schema_text(spec["schema"], args, "response_format")
     if kind == "structural_tag":
         return "structural_tag", _structural_tag_text(rf, args, "response_format")
-    raise InvalidRequestError(f"response_format type {kind!r} is not supported; use text, json_object, "
-                              "json_schema or structural_tag", "response_format")
+    raise InvalidRequestError(
+        f"response_format type {kind!r} is not supported; use text, json_object, json_schema or structural_tag",
+        "response_format",
+    )
 
 
 def grammar_from_fields(fields: dict[str, Any], args: ServerArgs) -> GrammarRequest | None:
@@ -146,14 +148,21 @@ def grammar_from_fields(fields: dict[str, Any], args: ServerArgs) -> GrammarRequ
         if so.get("json_object"):
             add("structured_outputs.json_object", "json_object", "")
         if so.get("structural_tag") is not None:
-            add("structured_outputs.structural_tag", "structural_tag",
-                _structural_tag_text(so["structural_tag"], args, "structured_outputs"))
+            add(
+                "structured_outputs.structural_tag",
+                "structural_tag",
+                _structural_tag_text(so["structural_tag"], args, "structured_outputs"),
+            )
     if not found:
         return None
     if len(found) > 1:
         names = ", ".join(p for p, _, _ in found)
         raise InvalidRequestError(f"give at most one output constraint; got {names}", found[1][0])
-    backend = fields.get("grammar_backend") or fields.get("guided_decoding_backend") or (
-        so.get("backend") if isinstance(so, dict) else None) or args.grammar_backend
+    backend = (
+        fields.get("grammar_backend")
+        or fields.get("guided_decoding_backend")
+        or (so.get("backend") if isinstance(so, dict) else None)
+        or args.grammar_backend
+    )
     _, kind, text = found[0]
     return GrammarRequest(kind=kind, text=text, backend=checked_backend(backend))

@@ -20,7 +20,13 @@ import zmq.asyncio
 from gramserve.config import ServerConfig
 from gramserve.ipc import SCHEDULER_IN, TOKENIZER_MANAGER_IN, pull_socket, push_socket
 from gramserve.messages import (
-    AbortReq, BatchTextOut, ControlReq, ControlResp, FinishReason, GrammarRequest, TokenizedGenerateReq,
+    AbortReq,
+    BatchTextOut,
+    ControlReq,
+    ControlResp,
+    FinishReason,
+    GrammarRequest,
+    TokenizedGenerateReq,
     TokenLogprob,
 )
 from gramserve.sampling.params import SamplingParams
@@ -77,12 +83,20 @@ class TokenizerManager:
 
     # --- tokenization ------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, **kwargs) -> list[int]:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs,
+    ) -> list[int]:
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
-                continue_final_message=continue_final_message, **kwargs,
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                **kwargs,
             )
         except Exception as exc:  # noqa: BLE001 - template errors are the client's message shapes
             raise InvalidRequestError(f"cannot apply the chat template: {exc}", "messages") from exc
@@ -96,11 +110,18 @@ class TokenizerManager:
 
     # --- generation -----------------------------------------------------------------------------
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
-                       return_logprob: bool = False, top_logprobs: int = 0,
-                       grammar: GrammarRequest | None = None, priority: int = 0,
-                       is_disconnected: Callable[[], Awaitable[bool]] | None = None
-                       ) -> AsyncIterator[GenerateOutput]:
+    async def generate(
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        *,
+        rid: str | None = None,
+        return_logprob: bool = False,
+        top_logprobs: int = 0,
+        grammar: GrammarRequest | None = None,
+        priority: int = 0,
+        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+    ) -> AsyncIterator[GenerateOutput]:
         """Stream one request's outputs.
 
         Trusts `input_ids` and `sampling`: the routes check them once per request (sampling_request.py builds
@@ -113,7 +134,8 @@ class TokenizerManager:
         state = _ReqState()
         self.states[rid] = state
         self.to_scheduler.send_pyobj(
-            TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, top_logprobs, grammar, priority))
+            TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, top_logprobs, grammar, priority)
+        )
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_CHECK_S
         try:
@@ -133,8 +155,9 @@ class TokenizerManager:
                 if fin is not None and fin.status_code is not None and out.completion_tokens == 0:
                     state.finished = True
                     if fin.status_code == 400:
-                        raise InvalidRequestError(fin.message or "invalid request",
-                                                  "response_format" if grammar is not None else None)
+                        raise InvalidRequestError(
+                            fin.message or "invalid request", "response_format" if grammar is not None else None
+                        )
                     if fin.status_code == 503:
                         raise ServerBusyError(fin.message or "server busy")
                     raise EngineError(fin.message or "internal error")
@@ -184,9 +207,15 @@ class TokenizerManager:
             state = self.states.get(rid)
             if state is None:
                 continue  # already gone (client left)
-            state.queue.put_nowait(GenerateOutput(
-                text=msg.text_deltas[i], token_ids=msg.new_token_ids[i], finished=msg.finished[i],
-                prompt_tokens=msg.prompt_tokens[i], completion_tokens=msg.completion_tokens[i],
-                cached_tokens=msg.cached_tokens[i], logprobs=msg.logprobs[i],
-                grammar_backend=msg.grammar_backends[i] if msg.grammar_backends else None,
-            ))
+            state.queue.put_nowait(
+                GenerateOutput(
+                    text=msg.text_deltas[i],
+                    token_ids=msg.new_token_ids[i],
+                    finished=msg.finished[i],
+                    prompt_tokens=msg.prompt_tokens[i],
+                    completion_tokens=msg.completion_tokens[i],
+                    cached_tokens=msg.cached_tokens[i],
+                    logprobs=msg.logprobs[i],
+                    grammar_backend=msg.grammar_backends[i] if msg.grammar_backends else None,
+                )
+            )

@@ -60,8 +60,7 @@ def plan_tools(req: P.ChatCompletionRequest, parser_name: str, args: ServerArgs)
         params = fn.parameters if fn.parameters is not None else EMPTY_PARAMETERS
         # Same checks as response_format schemas: JSON object, size and depth limits.
         params = json.loads(_schema_text(params, args, "tools"))
-        tools.append(ToolFunction(name=fn.name, parameters=params, description=fn.description,
-                                  strict=bool(fn.strict)))
+        tools.append(ToolFunction(name=fn.name, parameters=params, description=fn.description, strict=bool(fn.strict)))
     choice = req.tool_choice or "auto"
     function = None
     if isinstance(choice, P.NamedToolChoice):
@@ -93,8 +92,9 @@ def _call_dict(call: P.ToolCallSpec) -> dict[str, Any]:
         try:
             args = json.loads(args) if args.strip() else {}
         except ValueError:
-            raise InvalidRequestError(f"tool call {call.function.name!r} in the history has arguments that are "
-                                      "not valid JSON", "messages") from None
+            raise InvalidRequestError(
+                f"tool call {call.function.name!r} in the history has arguments that are not valid JSON", "messages"
+            ) from None
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
 
 
@@ -111,8 +111,9 @@ def _text(content: Any) -> str:
     return "".join(parts)
 
 
-def render_messages(messages: list[P.ChatMessage], plan: ToolPlan | None, native_tools: bool,
-                    parser_cls: type[ToolCallParser]) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+def render_messages(
+    messages: list[P.ChatMessage], plan: ToolPlan | None, native_tools: bool, parser_cls: type[ToolCallParser]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages for the template, `tools=` for the template or None)."""
     out: list[dict[str, Any]] = []
     parser = plan.new_parser() if plan is not None else parser_cls([])
@@ -132,8 +133,13 @@ def render_messages(messages: list[P.ChatMessage], plan: ToolPlan | None, native
     if plan is None or not plan.parses_calls:
         return out, None
     if native_tools:
-        return out, [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                                       "parameters": t.parameters}} for t in plan.tools]
+        return out, [
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description or "", "parameters": t.parameters},
+            }
+            for t in plan.tools
+        ]
     instructions = parser.system_prompt()
     if plan.mode == "named":
         instructions += f"\nYou must call the function {plan.function}."

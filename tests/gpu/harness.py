@@ -10,25 +10,62 @@ from gramserve.scheduler.memory import ReqToTokenPool, TokenSlotAllocator
 
 # Small but realistic GQA shapes (head_dim 128, 4 query heads per KV head) and the default model's shapes.
 SMALL_GQA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024, "intermediate_size": 2048,
-    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
-    "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "vocab_size": 4096,
-    "tie_word_embeddings": False, "eos_token_id": 2,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "vocab_size": 4096,
+    "tie_word_embeddings": False,
+    "eos_token_id": 2,
 }
 SMOLLM_135M = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
-    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "vocab_size": 49152,
-    "tie_word_embeddings": True, "eos_token_id": 2,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+    "eos_token_id": 2,
 }
 
 
-def make_runner(config_path: str, backend: str, dtype: str = "bfloat16", device: str = "cuda",
-                graphs: bool = False, max_reqs: int = 256, graph_bs: int = 256, seed: int = 0,
-                kv_gb: float = 1.0) -> tuple[ModelRunner, "Harness"]:
-    config = RunnerConfig(model_path=config_path, load_format="dummy", device=device, dtype=dtype,
-                          attention_backend=backend, kv_cache_memory_gb=kv_gb, seed=seed, context_length=4096,
-                          cuda_graph_max_bs=graph_bs if graphs else 0, max_running_requests=max_reqs)
+def make_runner(
+    config_path: str,
+    backend: str,
+    dtype: str = "bfloat16",
+    device: str = "cuda",
+    graphs: bool = False,
+    max_reqs: int = 256,
+    graph_bs: int = 256,
+    seed: int = 0,
+    kv_gb: float = 1.0,
+) -> tuple[ModelRunner, "Harness"]:
+    config = RunnerConfig(
+        model_path=config_path,
+        load_format="dummy",
+        device=device,
+        dtype=dtype,
+        attention_backend=backend,
+        kv_cache_memory_gb=kv_gb,
+        seed=seed,
+        context_length=4096,
+        cuda_graph_max_bs=graph_bs if graphs else 0,
+        max_running_requests=max_reqs,
+    )
     runner = ModelRunner(config)
     harness = Harness(runner, max_reqs)
     runner.init_cuda_graphs(harness.pool.table)
@@ -58,7 +95,7 @@ class Harness:
         slots = self.alloc.alloc(sum(len(i) for i in new_ids))
         locs, positions, off = [], [], 0
         for row, p, ids in zip(rows, prefix, new_ids):
-            s = slots[off:off + len(ids)]
+            s = slots[off : off + len(ids)]
             off += len(ids)
             self.pool.write(row, p, s)
             locs.append(s)
@@ -66,22 +103,40 @@ class Harness:
             self.lens[row] = p + len(ids)
         seq = [self.lens[r] for r in rows]
         batch = ForwardBatch(
-            ForwardMode.EXTEND, torch.tensor(sum(new_ids, []), device=self.dev), torch.cat(positions).to(self.dev),
-            torch.cat(locs), torch.tensor(rows, device=self.dev), torch.tensor(seq, device=self.dev), seq, prefix,
-            [len(i) for i in new_ids], self.pool.table)
+            ForwardMode.EXTEND,
+            torch.tensor(sum(new_ids, []), device=self.dev),
+            torch.cat(positions).to(self.dev),
+            torch.cat(locs),
+            torch.tensor(rows, device=self.dev),
+            torch.tensor(seq, device=self.dev),
+            seq,
+            prefix,
+            [len(i) for i in new_ids],
+            self.pool.table,
+        )
         return self.runner.forward(batch).clone()
 
     def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
         lens = [self.lens[r] for r in rows]
         slots = self.alloc.alloc(len(rows))
-        self.pool.table[torch.tensor(rows, device=self.dev), torch.tensor(lens, device=self.dev)] = slots.to(torch.int32)
+        self.pool.table[torch.tensor(rows, device=self.dev), torch.tensor(lens, device=self.dev)] = slots.to(
+            torch.int32
+        )
         for r in rows:
             self.lens[r] += 1
         seq = [n + 1 for n in lens]
         batch = ForwardBatch(
-            ForwardMode.DECODE, torch.tensor(tokens, device=self.dev), torch.tensor(lens, device=self.dev), slots,
-            torch.tensor(rows, device=self.dev), torch.tensor(seq, device=self.dev), seq, lens, [1] * len(rows),
-            self.pool.table)
+            ForwardMode.DECODE,
+            torch.tensor(tokens, device=self.dev),
+            torch.tensor(lens, device=self.dev),
+            slots,
+            torch.tensor(rows, device=self.dev),
+            torch.tensor(seq, device=self.dev),
+            seq,
+            lens,
+            [1] * len(rows),
+            self.pool.table,
+        )
         return self.runner.forward(batch).clone()
 
 

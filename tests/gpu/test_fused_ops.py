@@ -65,11 +65,11 @@ def test_add_rmsnorm_and_rope_store_match_torch(dtype):
         kc = torch.zeros(101, hk, d, dtype=dtype, device="cuda")
         vc = torch.zeros_like(kc)
         q_ref = fused_ops.rope(qkv[:, : h * d].view(t, h, d), cos, sin, pos)
-        k_ref = fused_ops.rope(qkv[:, h * d:(h + hk) * d].view(t, hk, d), cos, sin, pos)
+        k_ref = fused_ops.rope(qkv[:, h * d : (h + hk) * d].view(t, hk, d), cos, sin, pos)
         q = fused_ops.rope_and_store(qkv, h, hk, cos, sin, pos, kc, vc, loc)
         assert torch.equal(q, q_ref)
         assert torch.equal(kc[loc], k_ref)
-        assert torch.equal(vc[loc], qkv[:, (h + hk) * d:].view(t, hk, d))
+        assert torch.equal(vc[loc], qkv[:, (h + hk) * d :].view(t, hk, d))
         untouched = torch.ones(101, dtype=torch.bool, device="cuda")
         untouched[loc] = False
         assert not kc[untouched].any() and not vc[untouched].any()

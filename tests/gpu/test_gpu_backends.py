@@ -34,8 +34,9 @@ def scenario(harness, batch_size: int, seed: int = 0) -> list[torch.Tensor]:
         sharers = list(range(batch_size, batch_size + min(batch_size, 32)))
         for i, r in enumerate(sharers):
             harness.share_prefix(i, r, max(1, lens[i] // 2))
-        outs.append(harness.extend(sharers, [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
-                                             for _ in sharers]))
+        outs.append(
+            harness.extend(sharers, [[rng.randrange(vocab) for _ in range(rng.randint(1, 40))] for _ in sharers])
+        )
         rows = rows + sharers
     for _ in range(3):
         outs.append(harness.decode(rows, [rng.randrange(vocab) for _ in rows]))
@@ -85,9 +86,11 @@ def test_auto_picks_gpu_backend():
     from gramserve.server.settings import resolve_settings
 
     assert resolve_settings(ServerArgs(device="cuda")).attention_backend == (
-        "flashinfer_triton" if len(BACKENDS) == 3 else BACKENDS[0] if BACKENDS else "torch")
+        "flashinfer_triton" if len(BACKENDS) == 3 else BACKENDS[0] if BACKENDS else "torch"
+    )
     assert resolve_settings(ServerArgs(device="cuda", dtype="float32")).attention_backend == (
-        "triton" if "triton" in BACKENDS else "torch")
+        "triton" if "triton" in BACKENDS else "torch"
+    )
 
 
 def greedy(harness, prompts: list[list[int]], steps: int) -> list[list[int]]:
@@ -107,8 +110,9 @@ def test_greedy_fp32_token_for_token(backend, smollm_config):
     prompts = [[rng.randrange(49152) for _ in range(n)] for n in (5, 17, 64, 130)]
     cpu_runner, cpu = make_runner(smollm_config, "torch", dtype="float32", device="cpu", max_reqs=8, kv_gb=0.1)
     expect = greedy(cpu, prompts, 24)
-    gpu_runner, gpu = make_runner(smollm_config, backend, dtype="float32", graphs=backend != "torch", max_reqs=8,
-                                  graph_bs=8, kv_gb=0.5)
+    gpu_runner, gpu = make_runner(
+        smollm_config, backend, dtype="float32", graphs=backend != "torch", max_reqs=8, graph_bs=8, kv_gb=0.5
+    )
     gpu_runner.model.load_state_dict(cpu_runner.model.state_dict())  # the CPU's random weights (copied in place)
     got = greedy(gpu, prompts, 24)
     print(f"{backend}: {sum(a == b for x, y in zip(got, expect) for a, b in zip(x, y))}/{4 * 24} tokens agree")

@@ -16,8 +16,15 @@ SLOTS = 256
 # Each step's (logits row, slot) pairs; a step's slots are not rewritten later (the grammar worker only
 # refills a slot after the step that read it has sampled, which these queued steps never wait for).
 _STEADY = [(i, 200 + i) for i in range(50)]  # passed twice in a row (steady decode): its pairs are not copied again
-STEPS = [[(i, i) for i in range(64)], [(i, 64 + (i * 7) % 7) for i in range(7)], [(5, 80), (63, 81), (0, 82)],
-         _STEADY, _STEADY, [(40, 100)], [(i, 128 + 2 * i) for i in range(64)]]
+STEPS = [
+    [(i, i) for i in range(64)],
+    [(i, 64 + (i * 7) % 7) for i in range(7)],
+    [(5, 80), (63, 81), (0, 82)],
+    _STEADY,
+    _STEADY,
+    [(40, 100)],
+    [(i, 128 + 2 * i) for i in range(64)],
+]
 _SHARED = torch.zeros(SLOTS, WORDS, dtype=torch.int32)  # stands in for the grammar worker's shared memory
 
 

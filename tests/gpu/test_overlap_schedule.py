@@ -10,11 +10,11 @@ import torch
 from transformers import AutoTokenizer
 
 from gramserve.config import ServerArgs
-from gramserve.server.settings import in_process_config
 from gramserve.messages import TokenizedGenerateReq
 from gramserve.model.loader import default_tokenizer_dir
 from gramserve.sampling.params import SamplingParams
 from gramserve.scheduler.scheduler import Scheduler
+from gramserve.server.settings import in_process_config
 from tests.gpu.conftest import write_config
 from tests.gpu.harness import SMOLLM_135M
 
@@ -28,9 +28,17 @@ def _tokenizer_dir() -> str:
 def _scheduler(config_dir, overlap: str) -> Scheduler:
     path = write_config(config_dir, "smollm-overlap", SMOLLM_135M)
     tok = _tokenizer_dir()
-    args = ServerArgs(model_path=path, load_format="dummy", tokenizer_path=tok,
-                      context_length=2048, kv_cache_memory_gb=1.0, max_running_requests=64, overlap_schedule=overlap,
-                      dtype="float32", cuda_graph_max_bs=64)
+    args = ServerArgs(
+        model_path=path,
+        load_format="dummy",
+        tokenizer_path=tok,
+        context_length=2048,
+        kv_cache_memory_gb=1.0,
+        max_running_requests=64,
+        overlap_schedule=overlap,
+        dtype="float32",
+        cuda_graph_max_bs=64,
+    )
     return Scheduler(in_process_config(args, tokenizer_dir=tok), AutoTokenizer.from_pretrained(tok))
 
 
@@ -38,8 +46,11 @@ def _run(sched: Scheduler, n: int = 40) -> dict[str, list[int]]:
     rng = random.Random(0)
     for i in range(n):
         prompt = [rng.randrange(100, 49152) for _ in range(rng.randint(3, 200))]
-        sched.add_request(TokenizedGenerateReq(f"r{i}", prompt, SamplingParams(
-            max_new_tokens=rng.randint(1, 48), temperature=0, ignore_eos=i % 2 == 0)))
+        sched.add_request(
+            TokenizedGenerateReq(
+                f"r{i}", prompt, SamplingParams(max_new_tokens=rng.randint(1, 48), temperature=0, ignore_eos=i % 2 == 0)
+            )
+        )
     outs: dict[str, list[int]] = {}
     while sched.has_work:
         out = sched.step()
@@ -57,8 +68,11 @@ def test_overlap_matches_plain_and_never_syncs_while_launching(config_dir):
 
     # Steady decode: launching step N+1's forward must not wait for step N (no implicit syncs).
     for i in range(8):
-        sched.add_request(TokenizedGenerateReq(f"s{i}", [100 + i] * 20, SamplingParams(
-            max_new_tokens=64, temperature=0, ignore_eos=True)))
+        sched.add_request(
+            TokenizedGenerateReq(
+                f"s{i}", [100 + i] * 20, SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True)
+            )
+        )
     for _ in range(4):
         sched.step()
     torch.cuda.set_sync_debug_mode("error")  # an implicit sync (a blocking copy, .item(), .tolist()) raises

@@ -75,9 +75,13 @@ def test_mixed_batch_greedy_seeded_min_p_and_kernel_rows(samplers):
     x = make_logits(7)
     logits = torch.stack([x, x, x, x, x]).to(DEV)
     gen = lambda: torch.Generator().manual_seed(1234)  # noqa: E731
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_p=0.9, seed=1234),
-              SamplingParams(temperature=1.0, min_p=0.2), SamplingParams(temperature=0.9, top_k=3),
-              SamplingParams(temperature=1.0, top_k=1)]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=1234),
+        SamplingParams(temperature=1.0, min_p=0.2),
+        SamplingParams(temperature=0.9, top_k=3),
+        SamplingParams(temperature=1.0, top_k=1),
+    ]
     gens = [None, gen(), None, None, None]
     rows = [SamplingRow(p, [], [], g) for p, g in zip(params, gens)]
     got = samplers["flashinfer"].sample(logits, rows).token_ids
@@ -95,7 +99,9 @@ def test_mixed_batch_greedy_seeded_min_p_and_kernel_rows(samplers):
 def test_draws_change_from_step_to_step(samplers):
     # FlashInfer without a generator of ours would reuse one seed and offset each call: the same draws each step.
     x = torch.zeros(V)
-    a, b = draw(samplers["flashinfer"], x, SamplingParams(temperature=1.0), steps=1), \
-        draw(samplers["flashinfer"], x, SamplingParams(temperature=1.0), steps=1)
+    a, b = (
+        draw(samplers["flashinfer"], x, SamplingParams(temperature=1.0), steps=1),
+        draw(samplers["flashinfer"], x, SamplingParams(temperature=1.0), steps=1),
+    )
     assert (a != b).float().mean() > 0.99
     assert len(set(a.tolist())) > 0.99 * ROWS  # and rows of one step differ from each other

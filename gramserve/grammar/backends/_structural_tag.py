@@ -41,7 +41,14 @@ def normalize(text: str) -> dict:
                     schema = json.loads(schema)
                 except ValueError as e:
                     raise GrammarCompileError(f"structural_tag: invalid schema JSON ({e})") from None
-            tags.append({"type": "tag", "begin": s["begin"], "content": {"type": "json_schema", "json_schema": schema}, "end": s["end"]})
+            tags.append(
+                {
+                    "type": "tag",
+                    "begin": s["begin"],
+                    "content": {"type": "json_schema", "json_schema": schema},
+                    "end": s["end"],
+                }
+            )
         tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
     if tag.get("type", "structural_tag") != "structural_tag" or not isinstance(tag.get("format"), dict):
         raise GrammarCompileError('structural_tag: expected {"type": "structural_tag", "format": {...}}')
@@ -120,9 +127,13 @@ class _LarkBuilder:
 
     def _f_json_schema(self, f) -> str:
         if f.get("style", "json") != "json":
-            raise GrammarCompileError(f"structural_tag: json_schema style {f.get('style')!r} is not supported by the llguidance backend")
+            raise GrammarCompileError(
+                f"structural_tag: json_schema style {f.get('style')!r} is not supported by the llguidance backend"
+            )
         if f.get("any_order") or f.get("excludes"):
-            raise GrammarCompileError("structural_tag: json_schema any_order/excludes are not supported by the llguidance backend")
+            raise GrammarCompileError(
+                "structural_tag: json_schema any_order/excludes are not supported by the llguidance backend"
+            )
         schema = f.get("json_schema", {})
         if schema is True:
             schema = {}
@@ -203,7 +214,7 @@ class _LarkBuilder:
             raise GrammarCompileError("structural_tag: expected a tag")
         begin = f.get("begin", "")
         if skip_begin:
-            begin = begin[len(skip_begin):]
+            begin = begin[len(skip_begin) :]
         content = f.get("content", {"type": "const_string", "value": ""})
         end = f.get("end", "")
         # any_text content stops at the first end string (like xgrammar), so make it lazy.
@@ -242,7 +253,11 @@ class _LarkBuilder:
         text = self._text_terminal(excludes + triggers)
         alternatives = []
         for trig in triggers:
-            mine = [t for t in tags if isinstance(t, dict) and isinstance(t.get("begin"), str) and t["begin"].startswith(trig)]
+            mine = [
+                t
+                for t in tags
+                if isinstance(t, dict) and isinstance(t.get("begin"), str) and t["begin"].startswith(trig)
+            ]
             if not mine:
                 continue
             head = self.fresh("trig")

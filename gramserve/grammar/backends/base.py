@@ -149,9 +149,7 @@ class GrammarBackend(ABC):
         if not isinstance(spec, GrammarSpec):
             raise GrammarCompileError(f"expected a GrammarSpec, got {type(spec).__name__}")
         if spec.kind not in GRAMMAR_KINDS:
-            raise GrammarCompileError(
-                f"unknown grammar kind {spec.kind!r}; expected one of {', '.join(GRAMMAR_KINDS)}"
-            )
+            raise GrammarCompileError(f"unknown grammar kind {spec.kind!r}; expected one of {', '.join(GRAMMAR_KINDS)}")
         if not isinstance(spec.text, str):
             raise GrammarCompileError("the grammar text must be a string")
         try:

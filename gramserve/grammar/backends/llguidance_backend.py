@@ -123,8 +123,9 @@ class LLGuidanceMatcher(Matcher):
             return
         check_bitmask(bitmask, live[0][0]._vocab_size)
         executor = pool.executor("llguidance", pool.threads_for(len(rows)), llg.LLExecutor)
-        executor.unsafe_compute_mask_ptr([(m._m, row) for m, row in live], bitmask.data_ptr(), words * 4,
-                                         bitmask.shape[0])
+        executor.unsafe_compute_mask_ptr(
+            [(m._m, row) for m, row in live], bitmask.data_ptr(), words * 4, bitmask.shape[0]
+        )
         for m, row in live:
             if m._m.is_error():  # hit a limit while computing this mask
                 set_only_tokens(bitmask, row, m._eos)
@@ -163,7 +164,9 @@ class LLGuidanceBackend(GrammarBackend):
         try:
             import llguidance.hf
 
-            self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+            self.ll_tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+            )
         except ValueError:  # not a fast tokenizer
             wrapper = llg.TokenizerWrapper(_BytesTokenizer(tokenizer, self.vocab, self.eos_token_ids[0]))
             self.ll_tokenizer = llg.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)

@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 
 
 # Private-use code points: no model writes this, and it only matters at the very end of a match.
-_SENTINEL = "\U000F0000\U0010FFFD\U000F0001"
+_SENTINEL = "\U000f0000\U0010fffd\U000f0001"
 
 
 class _OutlinesCompiled:
@@ -134,7 +134,11 @@ class OutlinesBackend(GrammarBackend):
         super().__init__(tokenizer, vocab_size, eos_token_ids, options)
         eos = set(self.eos_token_ids)
         # An id that is never text nor EOS carries the end-of-match sentinel (see the docstring).
-        unused = [i for i in range(self.vocab_size) if i not in eos and (i >= self.text_vocab_size or self.vocab.tokens[i] is None)]
+        unused = [
+            i
+            for i in range(self.vocab_size)
+            if i not in eos and (i >= self.text_vocab_size or self.vocab.tokens[i] is None)
+        ]
         self.sentinel = unused[0] if unused else None
         sentinel = _SENTINEL.encode("utf-8")
         by_bytes: dict[bytes, list[int]] = {}
@@ -180,7 +184,9 @@ class OutlinesBackend(GrammarBackend):
         if kind == "choice":
             return "(" + "|".join(regex_escape(c) for c in parse_choices(text)) + ")", True
         if kind in ("ebnf", "structural_tag"):
-            raise GrammarCompileError(f"{kind} grammars are not supported by outlines-core; use the xgrammar or llguidance backend")
+            raise GrammarCompileError(
+                f"{kind} grammars are not supported by outlines-core; use the xgrammar or llguidance backend"
+            )
         raise GrammarCompileError(f"outlines: unsupported grammar kind {kind!r}")
 
     def _compile(self, spec: GrammarSpec) -> object:

@@ -51,6 +51,7 @@ def create_backend(name: str, kv_cache: KVCache, num_heads: int = 0) -> Attentio
     if name == "flashinfer_triton":
         from gramserve.model.attention.hybrid_backend import HybridAttentionBackend
 
-        return HybridAttentionBackend(create_backend("flashinfer", kv_cache, num_heads),
-                                      create_backend("triton", kv_cache, num_heads))
+        return HybridAttentionBackend(
+            create_backend("flashinfer", kv_cache, num_heads), create_backend("triton", kv_cache, num_heads)
+        )
     raise ValueError(f"unknown attention backend {name!r}")

@@ -27,8 +27,9 @@ class AttentionBackend(ABC):
         """Compute once per forward what every layer needs (indices, masks); store it in batch.attn_metadata."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                batch: ForwardBatch, scale: float) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, batch: ForwardBatch, scale: float
+    ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the new tokens, stored into the KV cache first (None: already
         stored by the caller). Returns [T, Hq * D]."""
 
@@ -37,12 +38,19 @@ class AttentionBackend(ABC):
     def init_cuda_graph_state(self, max_bs: int, max_context: int) -> None:
         raise NotImplementedError(f"{self.name} attention does not support CUDA graphs")
 
-    def cuda_graph_capture_metadata(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                                    req_to_token: torch.Tensor):
+    def cuda_graph_capture_metadata(
+        self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, req_to_token: torch.Tensor
+    ):
         """Metadata for a decode batch of `bs` rows whose tensors are the graph's static inputs."""
         raise NotImplementedError
 
-    def cuda_graph_replay_metadata(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                                   seq_lens_cpu: list[int], req_to_token: torch.Tensor) -> None:
+    def cuda_graph_replay_metadata(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: list[int],
+        req_to_token: torch.Tensor,
+    ) -> None:
         """Refresh the captured metadata of batch size `bs` in place for the batch about to replay."""
         raise NotImplementedError

@@ -43,17 +43,20 @@ class FlashInferAttentionBackend(AttentionBackend):
         import flashinfer
 
         if kv_cache.dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError("the flashinfer backend needs --dtype bfloat16 or float16 (use triton or torch for float32)")
+            raise ValueError(
+                "the flashinfer backend needs --dtype bfloat16 or float16 (use triton or torch for float32)"
+            )
         self._fi = flashinfer
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv_cache.num_kv_heads, kv_cache.head_dim
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         dev = kv_cache.device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         # Tensor cores pay off for decode once several query heads read each KV head.
         self.use_tensor_cores = num_heads // self.num_kv_heads >= 2
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores
+        )
         self._graph_wrappers: dict[int, Any] = {}
         self._plan_copied = torch.cuda.Event()  # recorded after each plan's host-to-device copy was queued
 
@@ -89,8 +92,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             batch.attn_metadata = FlashInferMetadata(self.decode)
         else:
             qo_indptr = _indptr(batch.extend_seq_lens_cpu)
-            self._plan(self.prefill, qo_indptr, kv_indptr, kv_indices, last_page, h, hk, d, 1, causal=True,
-                       **self._plan_args())
+            self._plan(
+                self.prefill, qo_indptr, kv_indptr, kv_indices, last_page, h, hk, d, 1, causal=True, **self._plan_args()
+            )
             batch.attn_metadata = FlashInferMetadata(self.prefill)
 
     def forward(self, q, k, v, layer, batch, scale):
@@ -110,9 +114,14 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def cuda_graph_capture_metadata(self, bs, req_pool_indices, seq_lens, req_to_token):
         wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
-            paged_kv_indptr_buffer=self._cg_indptr[: bs + 1], paged_kv_indices_buffer=self._cg_indices,
-            paged_kv_last_page_len_buffer=self._cg_last[:bs])
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=self.use_tensor_cores,
+            paged_kv_indptr_buffer=self._cg_indptr[: bs + 1],
+            paged_kv_indices_buffer=self._cg_indices,
+            paged_kv_last_page_len_buffer=self._cg_last[:bs],
+        )
         self._graph_wrappers[bs] = wrapper
         self.cuda_graph_replay_metadata(bs, req_pool_indices, seq_lens, [1] * bs, req_to_token)
         return FlashInferMetadata(wrapper)
@@ -120,5 +129,14 @@ class FlashInferAttentionBackend(AttentionBackend):
     def cuda_graph_replay_metadata(self, bs, req_pool_indices, seq_lens, seq_lens_cpu, req_to_token):
         kv_indptr = _indptr(seq_lens_cpu)
         kv_indices = self._indices(req_pool_indices, seq_lens, kv_indptr, req_to_token)
-        self._plan(self._graph_wrappers[bs], kv_indptr, kv_indices, torch.ones(bs, dtype=torch.int32),
-                   self.num_heads, self.num_kv_heads, self.head_dim, 1, **self._plan_args())
+        self._plan(
+            self._graph_wrappers[bs],
+            kv_indptr,
+            kv_indices,
+            torch.ones(bs, dtype=torch.int32),
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            1,
+            **self._plan_args(),
+        )

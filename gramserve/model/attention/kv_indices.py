@@ -24,8 +24,9 @@ def _gather_rows(table, table_stride, rows, seq_lens, indptr, out, BLOCK: tl.con
         tl.store(out + start + idx, vals, mask=m)
 
 
-def build_kv_indices(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor,
-                     indptr: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def build_kv_indices(
+    req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: torch.Tensor, indptr: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
     """rows, seq_lens, indptr ([B + 1]) on the GPU; writes int32 slots into out[:indptr[-1]]."""
     bs = rows.numel()
     if bs:

@@ -68,7 +68,7 @@ class TorchAttentionBackend(AttentionBackend):
             return out.reshape(q.shape[0], -1)
         outs = []
         for idx, mask, start, new in zip(meta.kv_indices, meta.masks, meta.starts, batch.extend_seq_lens_cpu):
-            qi = q[start:start + new].transpose(0, 1).unsqueeze(0)  # [1, Hq, new, D]
+            qi = q[start : start + new].transpose(0, 1).unsqueeze(0)  # [1, Hq, new, D]
             ki = k_buf[idx].transpose(0, 1).unsqueeze(0)
             vi = v_buf[idx].transpose(0, 1).unsqueeze(0)
             oi = F.scaled_dot_product_attention(

@@ -65,11 +65,21 @@ class TritonAttentionBackend(AttentionBackend):
         q = q.contiguous()
         out = torch.empty_like(q)
         if batch.mode == ForwardMode.DECODE:
-            decode_attention(q, k_buf, v_buf, out, batch.req_to_token, meta.rows, meta.seq_lens, scale,
-                             meta.num_splits)
+            decode_attention(q, k_buf, v_buf, out, batch.req_to_token, meta.rows, meta.seq_lens, scale, meta.num_splits)
         else:
-            extend_attention(q, k_buf, v_buf, out, batch.req_to_token, meta.rows, meta.qo_start, meta.prefix_lens,
-                             meta.new_lens, meta.max_new, scale)
+            extend_attention(
+                q,
+                k_buf,
+                v_buf,
+                out,
+                batch.req_to_token,
+                meta.rows,
+                meta.qo_start,
+                meta.prefix_lens,
+                meta.new_lens,
+                meta.max_new,
+                scale,
+            )
         return out.reshape(q.shape[0], -1)
 
     # --- CUDA graphs: the static rows / seq_lens tensors are the metadata ----------------------------

@@ -17,10 +17,30 @@ import triton.language as tl
 
 
 @triton.jit
-def _extend_kernel(Q, K, V, O, table, table_stride, rows, qo_start, prefix_lens, new_lens, scale,
-                   stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh,
-                   GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   IEEE: tl.constexpr):
+def _extend_kernel(
+    Q,
+    K,
+    V,
+    O,
+    table,
+    table_stride,
+    rows,
+    qo_start,
+    prefix_lens,
+    new_lens,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2)
@@ -34,8 +54,11 @@ def _extend_kernel(Q, K, V, O, table, table_stride, rows, qo_start, prefix_lens,
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     m_valid = offs_m < new
-    q = tl.load(Q + (q0 + offs_m)[:, None].to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=m_valid[:, None], other=0.0)
+    q = tl.load(
+        Q + (q0 + offs_m)[:, None].to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=m_valid[:, None],
+        other=0.0,
+    )
     q_pos = prefix + offs_m
     kv_end = prefix + tl.minimum((mb + 1) * BLOCK_M, new)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -65,15 +88,39 @@ def _extend_kernel(Q, K, V, O, table, table_stride, rows, qo_start, prefix_lens,
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(O + (q0 + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=m_valid[:, None])
+    tl.store(
+        O + (q0 + offs_m)[:, None].to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=m_valid[:, None],
+    )
 
 
 @triton.jit
-def _decode_split_kernel(Q, K, V, Mid, Lse, O, table, table_stride, rows, seq_lens, scale,
-                         stride_qb, stride_qh, stride_ks, stride_kh, stride_ob, stride_oh,
-                         NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr,
-                         BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+def _decode_split_kernel(
+    Q,
+    K,
+    V,
+    Mid,
+    Lse,
+    O,
+    table,
+    table_stride,
+    rows,
+    seq_lens,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -126,8 +173,9 @@ def _decode_split_kernel(Q, K, V, Mid, Lse, O, table, table_stride, rows, seq_le
 
 
 @triton.jit
-def _decode_merge_kernel(Mid, Lse, O, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr,
-                         D: tl.constexpr):
+def _decode_merge_kernel(
+    Mid, Lse, O, stride_ob, stride_oh, NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, D: tl.constexpr
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     base = (b * tl.num_programs(1) + h) * NUM_SPLITS
@@ -142,18 +190,41 @@ def _decode_merge_kernel(Mid, Lse, O, stride_ob, stride_oh, NUM_SPLITS: tl.const
     tl.store(O + b * stride_ob + h * stride_oh + offs_d, out.to(O.dtype.element_ty))
 
 
-def extend_attention(q, k_buf, v_buf, out, req_to_token, rows, qo_start, prefix_lens, new_lens, max_new: int,
-                     scale: float) -> None:
+def extend_attention(
+    q, k_buf, v_buf, out, req_to_token, rows, qo_start, prefix_lens, new_lens, max_new: int, scale: float
+) -> None:
     """q/out: [T, Hq, D]; k_buf/v_buf: [slots, Hkv, D]; per-request int tensors on the GPU."""
     bs, hq, d = rows.numel(), q.shape[1], q.shape[2]
     group = hq // k_buf.shape[1]
     ieee = q.dtype == torch.float32
     block_m, block_n = (32, 32) if ieee or d > 128 else (64, 64)
     grid = (bs, hq, triton.cdiv(max_new, block_m))
-    _extend_kernel[grid](q, k_buf, v_buf, out, req_to_token, req_to_token.stride(0), rows, qo_start, prefix_lens,
-                         new_lens, scale, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
-                         out.stride(0), out.stride(1), GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                         IEEE=ieee, num_warps=4, num_stages=2)
+    _extend_kernel[grid](
+        q,
+        k_buf,
+        v_buf,
+        out,
+        req_to_token,
+        req_to_token.stride(0),
+        rows,
+        qo_start,
+        prefix_lens,
+        new_lens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        D=d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        IEEE=ieee,
+        num_warps=4,
+        num_stages=2,
+    )
 
 
 MAX_DECODE_SPLITS = 64
@@ -189,11 +260,42 @@ def decode_attention(q, k_buf, v_buf, out, req_to_token, rows, seq_lens, scale: 
         mid = torch.empty((bs, hq, num_splits, d), dtype=torch.float32, device=q.device)
         lse = torch.empty((bs, hq, num_splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bs, hkv, num_splits)](
-        q, k_buf, v_buf, mid, lse, out, req_to_token, req_to_token.stride(0), rows, seq_lens, scale,
-        q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), D=d,
-        BLOCK_N=block_n, IEEE=ieee, num_warps=warps, num_stages=2)
+        q,
+        k_buf,
+        v_buf,
+        mid,
+        lse,
+        out,
+        req_to_token,
+        req_to_token.stride(0),
+        rows,
+        seq_lens,
+        scale,
+        q.stride(0),
+        q.stride(1),
+        k_buf.stride(0),
+        k_buf.stride(1),
+        out.stride(0),
+        out.stride(1),
+        NUM_SPLITS=num_splits,
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        D=d,
+        BLOCK_N=block_n,
+        IEEE=ieee,
+        num_warps=warps,
+        num_stages=2,
+    )
     if num_splits == 1:
         return
-    _decode_merge_kernel[(bs, hq)](mid, lse, out, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
-                                   SPLITS_P2=max(2, triton.next_power_of_2(num_splits)), D=d, num_warps=4)
+    _decode_merge_kernel[(bs, hq)](
+        mid,
+        lse,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_SPLITS=num_splits,
+        SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
+        D=d,
+        num_warps=4,
+    )

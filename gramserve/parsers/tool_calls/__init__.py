@@ -1,9 +1,9 @@
 """Tool-call parsers: one class per model output format, chosen by name (``--tool-call-parser``).
 
-    parser = get_tool_call_parser("hermes")(tools)
-    result = parser.parse(text)                 # ParseResult(content, calls)
-    delta = parser.feed(chunk); ...; parser.finish()   # streaming, one parser object per response
-    parser.structural_tag("auto", parallel=True)       # grammar for constrained calls
+parser = get_tool_call_parser("hermes")(tools)
+result = parser.parse(text)                 # ParseResult(content, calls)
+delta = parser.feed(chunk); ...; parser.finish()   # streaming, one parser object per response
+parser.structural_tag("auto", parallel=True)       # grammar for constrained calls
 """
 
 from __future__ import annotations

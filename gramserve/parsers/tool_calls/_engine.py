@@ -39,11 +39,11 @@ class Engine:
             if self.region is None:
                 found = self.p._find_region(text, self.pos)
                 if found is None:
-                    out.append(self.content.push(text[self.pos:]))
+                    out.append(self.content.push(text[self.pos :]))
                     self.pos = len(text)
                     break
                 i, definite = found
-                out.append(self.content.push(text[self.pos:i]))
+                out.append(self.content.push(text[self.pos : i]))
                 self.pos = i
                 if not definite:
                     if not final:

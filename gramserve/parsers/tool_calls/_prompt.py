@@ -28,7 +28,10 @@ def system_prompt(parser) -> str:
 
     specs = "\n".join(
         json.dumps(
-            {"type": "function", "function": {"name": t.name, "description": t.description or "", "parameters": parameters_of(t)}},
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description or "", "parameters": parameters_of(t)},
+            },
             ensure_ascii=False,
         )
         for t in parser.tools

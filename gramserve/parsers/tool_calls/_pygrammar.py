@@ -108,7 +108,7 @@ class PyGrammar:
         if not isinstance(props, dict):
             props = {}
         required = set(parameters.get("required") or []) if isinstance(parameters, dict) else set()
-        items = [(f'{lit(k + "=")} ws {self.value(s)}', k in required) for k, s in props.items() if k.isidentifier()]
+        items = [(f"{lit(k + '=')} ws {self.value(s)}", k in required) for k, s in props.items() if k.isidentifier()]
         return self.ordered(items, '"," ws')
 
     def text(self, root_body: str) -> str:

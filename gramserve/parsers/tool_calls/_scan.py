@@ -45,7 +45,7 @@ def json_container_end(text: str, start: int) -> int | None:
 
     Streaming re-reads a growing text on every chunk, so the scan resumes from a cached state when
     the text extends the one scanned before (checked with ``startswith``)."""
-    key = (start, text[start:start + 16])
+    key = (start, text[start : start + 16])
     cached = _scan_cache.get(key)
     if cached is not None and text.startswith(cached[0]):
         pos, stack, in_string = len(cached[0]), list(cached[1]), cached[2]

@@ -43,8 +43,24 @@ def calls_format(mode: str, parallel: bool, tags: list[dict], *, trigger: str, s
     if mode == "named":
         return wrap(tags[0])
     if mode == "auto":
-        return wrap({"type": "triggered_tags", "triggers": [trigger], "tags": tags, "at_least_one": False, "stop_after_first": one})
-    return wrap({"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True, "stop_after_first": one})
+        return wrap(
+            {
+                "type": "triggered_tags",
+                "triggers": [trigger],
+                "tags": tags,
+                "at_least_one": False,
+                "stop_after_first": one,
+            }
+        )
+    return wrap(
+        {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": separator,
+            "at_least_one": True,
+            "stop_after_first": one,
+        }
+    )
 
 
 def section_format(
@@ -53,9 +69,23 @@ def section_format(
     """Structural tag for formats whose calls sit between ``begin`` and ``end`` (``auto`` triggers on
     ``trigger``, a prefix of ``begin``, by default ``begin``)."""
     one = mode == "named" or not parallel
-    calls = {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True, "stop_after_first": one}
+    calls = {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": separator,
+        "at_least_one": True,
+        "stop_after_first": one,
+    }
     section = tag(begin, calls, end)
     if mode == "auto":
         triggers = [trigger or begin]
-        return wrap({"type": "triggered_tags", "triggers": triggers, "tags": [section], "at_least_one": False, "stop_after_first": True})
+        return wrap(
+            {
+                "type": "triggered_tags",
+                "triggers": triggers,
+                "tags": [section],
+                "at_least_one": False,
+                "stop_after_first": True,
+            }
+        )
     return wrap(section)

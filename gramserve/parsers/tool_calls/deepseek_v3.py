@@ -30,7 +30,9 @@ _read_v3_call = json_args_call(
     r"\s*```\s*" + CALL_END,
     plain_name,
 )
-_read_v31_call = json_args_call(r"\s*" + CALL_BEGIN + r"\s*(?P<name>[^\s<]+?)\s*" + SEP + r"\s*", r"\s*" + CALL_END, plain_name)
+_read_v31_call = json_args_call(
+    r"\s*" + CALL_BEGIN + r"\s*(?P<name>[^\s<]+?)\s*" + SEP + r"\s*", r"\s*" + CALL_END, plain_name
+)
 
 
 def _read_call(text: str, pos: int):
@@ -49,13 +51,18 @@ class DeepSeekV3ToolCallParser(ToolCallParser):
 
     def render_calls(self, calls: list[tuple[str, dict]]) -> str:
         body = "\n".join(
-            f"{CALL_BEGIN}function{SEP}{n}\n```json\n{json.dumps(a, ensure_ascii=False)}\n```{CALL_END}" for n, a in calls
+            f"{CALL_BEGIN}function{SEP}{n}\n```json\n{json.dumps(a, ensure_ascii=False)}\n```{CALL_END}"
+            for n, a in calls
         )
         return CALLS_BEGIN + body + CALLS_END
 
     def structural_tag(self, mode: ToolChoiceMode, parallel: bool, function: str | None = None) -> dict:
         tags = [
-            st.tag(f"{CALL_BEGIN}function{SEP}{t.name}\n```json\n", st.json_schema(grammar_parameters(t)), f"\n```{CALL_END}")
+            st.tag(
+                f"{CALL_BEGIN}function{SEP}{t.name}\n```json\n",
+                st.json_schema(grammar_parameters(t)),
+                f"\n```{CALL_END}",
+            )
             for t in self._tools_for(mode, function)
         ]
         return st.section_format(mode, parallel, tags, begin=CALLS_BEGIN, end=CALLS_END, separator="\n")
@@ -69,5 +76,8 @@ class DeepSeekV31ToolCallParser(DeepSeekV3ToolCallParser):
         return CALLS_BEGIN + body + CALLS_END
 
     def structural_tag(self, mode: ToolChoiceMode, parallel: bool, function: str | None = None) -> dict:
-        tags = [st.tag(f"{CALL_BEGIN}{t.name}{SEP}", st.json_schema(grammar_parameters(t)), CALL_END) for t in self._tools_for(mode, function)]
+        tags = [
+            st.tag(f"{CALL_BEGIN}{t.name}{SEP}", st.json_schema(grammar_parameters(t)), CALL_END)
+            for t in self._tools_for(mode, function)
+        ]
         return st.section_format(mode, parallel, tags, begin=CALLS_BEGIN, end=CALLS_END, separator="")

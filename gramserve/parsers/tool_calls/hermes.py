@@ -25,7 +25,8 @@ class HermesToolCallParser(ToolCallParser):
 
     def render_calls(self, calls: list[tuple[str, dict]]) -> str:
         return "\n".join(
-            "<tool_call>\n" + json.dumps({"name": n, "arguments": a}, ensure_ascii=False) + "\n</tool_call>" for n, a in calls
+            "<tool_call>\n" + json.dumps({"name": n, "arguments": a}, ensure_ascii=False) + "\n</tool_call>"
+            for n, a in calls
         )
 
     def structural_tag(self, mode: ToolChoiceMode, parallel: bool, function: str | None = None) -> dict:

@@ -26,7 +26,7 @@ CALL_END = "<|tool_call_end|>"
 def _name_from_id(m: regex.Match) -> str | None:
     ident = m.group("id")
     if ident.startswith("functions."):
-        ident = ident[len("functions."):]
+        ident = ident[len("functions.") :]
     head, colon, index = ident.rpartition(":")
     if colon and index.isdigit():
         ident = head
@@ -46,11 +46,14 @@ class KimiK2ToolCallParser(ToolCallParser):
     markers: ClassVar[tuple[str, ...]] = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGS_BEGIN, CALL_END)
 
     def _parse_region(self, text: str, start: int) -> Region:
-        return read_section(text, start, _read_call, open=regex.escape(SECTION_BEGIN), close=r"\s*" + regex.escape(SECTION_END))
+        return read_section(
+            text, start, _read_call, open=regex.escape(SECTION_BEGIN), close=r"\s*" + regex.escape(SECTION_END)
+        )
 
     def render_calls(self, calls: list[tuple[str, dict]]) -> str:
         body = "".join(
-            f"{CALL_BEGIN}functions.{n}:{i}{ARGS_BEGIN}{json.dumps(a, ensure_ascii=False)}{CALL_END}" for i, (n, a) in enumerate(calls)
+            f"{CALL_BEGIN}functions.{n}:{i}{ARGS_BEGIN}{json.dumps(a, ensure_ascii=False)}{CALL_END}"
+            for i, (n, a) in enumerate(calls)
         )
         return SECTION_BEGIN + body + SECTION_END
 
@@ -58,7 +61,9 @@ class KimiK2ToolCallParser(ToolCallParser):
         tags = [
             st.tag(
                 f"{CALL_BEGIN}functions.{t.name}:",
-                st.sequence({"type": "regex", "pattern": "[0-9]+"}, st.const(ARGS_BEGIN), st.json_schema(grammar_parameters(t))),
+                st.sequence(
+                    {"type": "regex", "pattern": "[0-9]+"}, st.const(ARGS_BEGIN), st.json_schema(grammar_parameters(t))
+                ),
                 CALL_END,
             )
             for t in self._tools_for(mode, function)

@@ -14,7 +14,7 @@ from ._scan import JSON_CALL_HEAD, json_args_call, json_name, read_section
 from .base import Region, ToolCallParser, ToolChoiceMode, grammar_parameters
 
 PYTHON_TAG = "<|python_tag|>"
-_read_call = json_args_call(r'\{' + JSON_CALL_HEAD[len(r"\{\s*"):], r"\s*\}", json_name)
+_read_call = json_args_call(r"\{" + JSON_CALL_HEAD[len(r"\{\s*") :], r"\s*\}", json_name)
 
 
 class Llama3ToolCallParser(ToolCallParser):
@@ -31,7 +31,11 @@ class Llama3ToolCallParser(ToolCallParser):
 
     def structural_tag(self, mode: ToolChoiceMode, parallel: bool, function: str | None = None) -> dict:
         tags = [
-            st.tag('{"name": ' + json.dumps(t.name, ensure_ascii=False) + ', "parameters": ', st.json_schema(grammar_parameters(t)), "}")
+            st.tag(
+                '{"name": ' + json.dumps(t.name, ensure_ascii=False) + ', "parameters": ',
+                st.json_schema(grammar_parameters(t)),
+                "}",
+            )
             for t in self._tools_for(mode, function)
         ]
         return st.calls_format(mode, parallel, tags, trigger='{"', separator="; ")

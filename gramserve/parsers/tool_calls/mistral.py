@@ -24,11 +24,13 @@ class MistralToolCallParser(ToolCallParser):
     markers: ClassVar[tuple[str, ...]] = (TOOL_CALLS, "[ARGS]")
 
     def _parse_region(self, text: str, start: int) -> Region:
-        rest = text[start + len(TOOL_CALLS):].lstrip()
+        rest = text[start + len(TOOL_CALLS) :].lstrip()
         if not rest:
             return Region("partial", [], start)
         if rest[0] == "[":
-            return read_section(text, start, _read_array_call, open=r"\[TOOL_CALLS\]\s*\[\s*", sep=r"\s*,\s*", close=r"\s*\]")
+            return read_section(
+                text, start, _read_array_call, open=r"\[TOOL_CALLS\]\s*\[\s*", sep=r"\s*,\s*", close=r"\s*\]"
+            )
         status, snap, end = _read_named_call(text, start)
         return Region(status, [snap] if snap else [], end)
 
@@ -37,8 +39,14 @@ class MistralToolCallParser(ToolCallParser):
 
     def structural_tag(self, mode: ToolChoiceMode, parallel: bool, function: str | None = None) -> dict:
         tags = [
-            st.tag('{"name": ' + json.dumps(t.name, ensure_ascii=False) + ', "arguments": ', st.json_schema(grammar_parameters(t)), "}")
+            st.tag(
+                '{"name": ' + json.dumps(t.name, ensure_ascii=False) + ', "arguments": ',
+                st.json_schema(grammar_parameters(t)),
+                "}",
+            )
             for t in self._tools_for(mode, function)
         ]
         # Trigger on [TOOL_CALLS] alone: free text must not hold the [TOOL_CALLS]name[ARGS] form either.
-        return st.section_format(mode, parallel, tags, begin=TOOL_CALLS + "[", end="]", separator=", ", trigger=TOOL_CALLS)
+        return st.section_format(
+            mode, parallel, tags, begin=TOOL_CALLS + "[", end="]", separator=", ", trigger=TOOL_CALLS
+        )

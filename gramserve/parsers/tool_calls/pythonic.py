@@ -48,7 +48,7 @@ def read_call(source: str) -> CallSnapshot | None:
         return None
     name = head.group("name")
     try:
-        node = ast.parse("f(" + source[head.end():].strip(), mode="eval").body
+        node = ast.parse("f(" + source[head.end() :].strip(), mode="eval").body
     except (SyntaxError, ValueError):
         return None
     if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, ast.Name):
@@ -95,7 +95,7 @@ class PythonicToolCallParser(ToolCallParser):
             elif tok != "]":
                 return Region("invalid", calls, m.start())
             # A top-level "," or "]" ends the current call.
-            snap = read_call(text[seg:m.start()])
+            snap = read_call(text[seg : m.start()])
             if snap is None:
                 return Region("invalid", calls, seg)
             calls.append(snap)
@@ -123,5 +123,13 @@ class PythonicToolCallParser(ToolCallParser):
         the_list = st.tag("[", {"type": "grammar", "grammar": g.text(body)}, "]")
         if mode == "auto":
             # Trigger "[": free text has no "[" at all, so that no call to an unknown tool gets by.
-            return st.wrap({"type": "triggered_tags", "triggers": ["["], "tags": [the_list], "at_least_one": False, "stop_after_first": True})
+            return st.wrap(
+                {
+                    "type": "triggered_tags",
+                    "triggers": ["["],
+                    "tags": [the_list],
+                    "at_least_one": False,
+                    "stop_after_first": True,
+                }
+            )
         return st.wrap(the_list)

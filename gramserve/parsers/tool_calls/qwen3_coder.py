@@ -95,10 +95,10 @@ class Qwen3CoderToolCallParser(ToolCallParser):
             close = text.find(_PARAM_END, p.end())
             if close < 0:
                 if schema_types(props.get(key)) == {"string"}:
-                    head += (", " if items else "") + _dump(key) + ': "' + _dump(_text_so_far(text[p.end():]))[1:-1]
+                    head += (", " if items else "") + _dump(key) + ': "' + _dump(_text_so_far(text[p.end() :]))[1:-1]
                 return Region("partial", [CallSnapshot(name, head)], pos)
             keys.add(key)
-            value = coerce(_strip_one_newline(text[p.end():close]), props.get(key))
+            value = coerce(_strip_one_newline(text[p.end() : close]), props.get(key))
             items.append(_dump(key) + ": " + _dump(value))
             pos = close + len(_PARAM_END)
 
@@ -114,8 +114,14 @@ class Qwen3CoderToolCallParser(ToolCallParser):
         )
 
     def structural_tag(self, mode: ToolChoiceMode, parallel: bool, function: str | None = None) -> dict:
-        tags = [st.tag(f"<tool_call>\n<function={t.name}>\n", _params_format(grammar_parameters(t)), "</function>\n</tool_call>")
-                for t in self._tools_for(mode, function)]
+        tags = [
+            st.tag(
+                f"<tool_call>\n<function={t.name}>\n",
+                _params_format(grammar_parameters(t)),
+                "</function>\n</tool_call>",
+            )
+            for t in self._tools_for(mode, function)
+        ]
         return st.calls_format(mode, parallel, tags, trigger="<tool_call>", separator="\n")
 
 
