@@ -61,14 +61,7 @@ class SchedulerCounters(TypedDict):
 
 
 def zero_counters() -> SchedulerCounters:
-    return SchedulerCounters(
-        requests_finished=0,
-        prompt_tokens=0,
-        generation_tokens=0,
-        forward_steps=0,
-        retractions=0,
-        cached_prompt_tokens=0,
-    )
+    return SchedulerCounters(**dict.fromkeys(SchedulerCounters.__annotations__, 0))
 
 
 def server_info_report(

@@ -8,8 +8,6 @@ it; in-process users (tests, benchmarks) call `resolve_settings` or `in_process_
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from gramserve.config import DEVICE_DEFAULTS, LaunchInfo, ServerArgs, ServerConfig, Settings, available_cores
@@ -40,7 +38,7 @@ def scheduler_threads(device: str) -> int:
         return GPU_HOST_THREADS
     # Leave one core to the HTTP server and detokenizer: torch's OpenMP threads spin, and on a
     # small machine a contended core slows every matmul several-fold.
-    cores = len(os.sched_getaffinity(0))
+    cores = available_cores()
     return max(1, cores - 1) if cores <= 4 else cores - 2
 
 
