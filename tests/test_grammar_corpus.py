@@ -455,6 +455,82 @@ def test_multiple_eos_ids(tokenizer, name):
     assert m.accept_token(0) and m.is_terminated()
 
 
+SPEED_SUITE = Path(__file__).parents[1] / "benchmarks" / "speed_suite"
+# Bounded schemas, so that random walks end (an unbounded string or an email's domain rarely does).
+BOUNDED_SCHEMAS = [
+    json.loads((SPEED_SUITE / "extraction_record.json").read_text())["grammar"],
+    {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "format": "uuid"},
+            "day": {"type": "string", "format": "date"},
+            "code": {"type": "string", "minLength": 2, "maxLength": 6},
+            "lines": {
+                "type": "array",
+                "maxItems": 2,
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "sku": {"type": "string", "maxLength": 8},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                        "kind": {"enum": ["a", "b", 3, None]},
+                    },
+                    "required": ["sku", "qty"],
+                    "additionalProperties": False,
+                },
+            },
+        },
+        "required": ["id", "day", "code", "lines"],
+        "additionalProperties": False,
+    },
+]
+
+
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_random_walks_over_suite_schemas_stay_valid(tokenizer, name):
+    """Walks through random allowed tokens (what dummy weights at temperature 1 do) end in valid JSON that
+    validates against the schema. Regressions: xgrammar let raw control characters (a tab, \\x07) into strings
+    with maxLength; llguidance refused EOS ids past the tokenizer (a model config served with a borrowed tokenizer:
+    those ids stay allowed at the end but never go to llguidance)."""
+    import random
+
+    import jsonschema
+
+    from gramserve.grammar.fill_probe import random_allowed_token
+    from gramserve.grammar.schema_audit import unenforced
+
+    b = get_backend(tokenizer, name, extra=EXTRA_COLUMNS, eos=(EOS, len(tokenizer) + 5))
+    bitmask = allocate_bitmask(1, b.vocab_size)
+    row = bitmask[0].numpy()
+    for i, schema in enumerate(BOUNDED_SCHEMAS):
+        if unenforced(name, json.dumps(schema)):
+            continue  # the service refuses this pair (outlines and integer bounds)
+        compiled = b.compile(GrammarSpec("json_schema", json.dumps(schema)))
+        finished = 0
+        for seed in range(12):
+            rng, m, ids = random.Random(seed), b.matcher(compiled), []
+            for _ in range(400):
+                m.fill_bitmask(bitmask, 0)
+                token = random_allowed_token(row, rng)
+                assert token is not None and m.accept_token(token)
+                if token in b.eos_token_ids:
+                    break
+                ids.append(token)
+            else:
+                continue  # still open after 400 tokens: nothing to validate
+            finished += 1
+            text = tokenizer.decode(ids)
+            jsonschema.validate(json.loads(text), schema)  # json.loads refuses raw control characters in strings
+        assert finished >= 6, (i, finished)
+
+    # Deterministic check of the control-character case: inside a bounded string, no token with one is allowed.
+    m = b.matcher(b.compile(GrammarSpec("json_schema", '{"type": "string", "maxLength": 10}')))
+    assert m.accept_token(tokenizer.convert_tokens_to_ids('"'))
+    m.fill_bitmask(bitmask, 0)
+    allowed = allowed_ids(bitmask, len(tokenizer)).tolist()
+    assert allowed and not [t for t in allowed if any(ord(c) < 0x20 for c in tokenizer.decode([t]))]
+
+
 def test_rejected_token_leaves_state_unchanged(backend, tokenizer):
     c = backend.compile(
         GrammarSpec(

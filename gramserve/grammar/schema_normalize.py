@@ -46,3 +46,21 @@ def declare_required(schema: Any) -> Any:
             **{name: (dict(ANY_VALUE) if extra is True or extra == {} else extra) for name in missing},
         }
     return out
+
+
+def close_objects(schema: Any) -> Any:
+    """Strict JSON (``GrammarOptions.strict_json``) for backends without such a mode: a copy in which every object
+    schema that declares `properties` but says nothing of other keys (no additionalProperties, patternProperties,
+    unevaluatedProperties) gets ``additionalProperties: false``, as xgrammar's strict mode treats it. A schema with
+    allOf anywhere is left open: a branch closed on its own properties would forbid its siblings' properties."""
+    if not isinstance(schema, dict) or any("allOf" in node for node in _subschemas(schema)):
+        return schema
+    out = copy.deepcopy(schema)
+    for node in _subschemas(out):
+        props = node.get("properties")
+        if isinstance(props, dict) and props and not _OPEN_KEYS.intersection(node):
+            node["additionalProperties"] = False
+    return out
+
+
+_OPEN_KEYS = {"additionalProperties", "patternProperties", "unevaluatedProperties"}

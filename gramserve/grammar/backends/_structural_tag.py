@@ -60,12 +60,17 @@ def _declare_required_in(fmt) -> None:
     """Apply schema_normalize.declare_required to every json_schema content (in place)."""
     from gramserve.grammar.schema_normalize import declare_required
 
+    map_json_schemas(fmt, declare_required)
+
+
+def map_json_schemas(fmt, fn) -> None:
+    """Replace every json_schema content of a structural tag format by fn(schema) (in place)."""
     stack = [fmt]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
             if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
-                node["json_schema"] = declare_required(node["json_schema"])
+                node["json_schema"] = fn(node["json_schema"])
                 continue
             stack.extend(node.values())
         elif isinstance(node, list):

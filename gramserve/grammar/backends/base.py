@@ -61,9 +61,11 @@ class GrammarOptions:
           JSON allows whitespace (xgrammar: ``max_whitespace_cnt``; llguidance: whitespace pattern
           ``[ \\t\\n\\r]{0,n}``; outlines: whitespace regex ``[ \\t\\n\\r]{0,n}``).
         * None: unbounded whitespace (outlines: ``[ \\t\\n\\r]*``).
-    strict_json: xgrammar only: forbid object properties and array items the schema does not
+    strict_json: forbid object properties (xgrammar: and array items) the schema does not
         declare (as if ``additionalProperties``/``unevaluatedItems`` were false). Default False
-        follows the schema; llguidance follows the schema; outlines-core is always strict.
+        follows the schema. llguidance: objects that declare properties and set none of
+        additionalProperties / patternProperties / unevaluatedProperties are closed
+        (``schema_normalize.close_objects``); outlines-core is always strict.
     lenient_json: llguidance only: ignore JSON Schema keywords it does not implement instead of
         rejecting the schema (the output may then violate those keywords).
     coerce_one_of: llguidance only: treat ``oneOf`` as ``anyOf`` when it cannot prove the branches
@@ -218,6 +220,41 @@ def regex_escape(s: str) -> str:
             out.append(f"\\x{ord(ch):02x}")
         else:
             out.append(ch)
+    return "".join(out)
+
+
+_ASCII_OUTSIDE = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]"}
+_ASCII_INSIDE = {"d": "0-9", "w": "0-9A-Za-z_"}
+
+
+def ascii_classes(pattern: str) -> str:
+    """``\\d`` and ``\\w`` (and their negations) as the ASCII classes they are in JSON Schema's ECMAScript
+    regexes and in xgrammar, for regex engines where they are Unicode classes (Rust's: llguidance's regex
+    grammars would otherwise let a model write any of 700 Unicode digits for ``\\d``)."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            nxt = pattern[i + 1]
+            table = _ASCII_INSIDE if in_class else _ASCII_OUTSIDE
+            out.append(table.get(nxt, ch + nxt))
+            i += 2
+            continue
+        if ch == "[" and not in_class:
+            in_class = True
+            out.append(ch)
+            if pattern[i + 1 : i + 2] == "^":
+                out.append("^")
+                i += 1
+            if pattern[i + 1 : i + 2] == "]":  # a leading ] is a literal
+                out.append("]")
+                i += 1
+        elif ch == "]" and in_class:
+            in_class = False
+            out.append(ch)
+        else:
+            out.append(ch)
+        i += 1
     return "".join(out)
 
 

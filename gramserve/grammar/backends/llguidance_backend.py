@@ -7,6 +7,8 @@ lexemes, see ``_structural_tag``; token-level formats, dispatch and XML styles a
   ``accept_token`` checks ``validate_tokens`` first. EOS is decided by ``is_accepting()``.
 * If llguidance hits an internal limit mid-generation (error state), only EOS is allowed and
   ``Matcher.error()`` tells why.
+* regex: ``\\d`` / ``\\w`` mean ASCII digits / word characters, as in JSON Schema patterns (which llguidance
+  already reads so) and xgrammar; Rust's regex would take any Unicode digit (``ascii_classes``).
 * Whitespace (GrammarOptions.max_whitespace): 0 -> no whitespace, separators "," ":"; n -> the
   whitespace pattern ``[ \\t\\n\\r]{0,n}`` at each place JSON allows whitespace; None -> any.
   Leading/trailing whitespace around the top-level value is never allowed.
@@ -32,6 +34,7 @@ import torch
 
 from gramserve.sampling.bitmask import bitmask_words, check_bitmask, check_bitmask_row, set_only_tokens
 
+from ._structural_tag import map_json_schemas
 from ._structural_tag import normalize as normalize_structural_tag
 from ._structural_tag import to_llguidance as structural_tag_to_llguidance
 from .base import (
@@ -41,6 +44,7 @@ from .base import (
     GrammarOptions,
     GrammarSpec,
     Matcher,
+    ascii_classes,
     looks_like_gbnf,
     parse_choices,
     parse_json_schema,
@@ -82,7 +86,8 @@ class LLGuidanceMatcher(Matcher):
                 return True
             if not m.is_accepting():
                 return False
-            m.consume_token(token_id)
+            if token_id < self._text_vocab:
+                m.consume_token(token_id)
             self._terminated = True
             return True
         if token_id >= self._text_vocab or m.is_error():
@@ -161,15 +166,16 @@ class LLGuidanceBackend(GrammarBackend):
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], options: GrammarOptions | None = None):
         super().__init__(tokenizer, vocab_size, eos_token_ids, options)
+        # llguidance takes only EOS ids the tokenizer has; a model config may name ids past it (a config served
+        # with another family's tokenizer). The matcher still ends on those, it just never asks llguidance.
+        ll_eos = [t for t in self.eos_token_ids if t < self.text_vocab_size] or self.eos_token_ids
         try:
             import llguidance.hf
 
-            self.ll_tokenizer = llguidance.hf.from_tokenizer(
-                tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
-            )
+            self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=ll_eos)
         except ValueError:  # not a fast tokenizer
-            wrapper = llg.TokenizerWrapper(_BytesTokenizer(tokenizer, self.vocab, self.eos_token_ids[0]))
-            self.ll_tokenizer = llg.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+            wrapper = llg.TokenizerWrapper(_BytesTokenizer(tokenizer, self.vocab, ll_eos[0]))
+            self.ll_tokenizer = llg.LLTokenizer(wrapper, n_vocab=self.vocab_size, eos_token=ll_eos)
         self.json_options = self._json_options()
 
     def _json_options(self) -> dict:
@@ -197,11 +203,15 @@ class LLGuidanceBackend(GrammarBackend):
                 if not schema:
                     raise GrammarCompileError("json_schema: the schema `false` accepts no value")
                 schema = {}
+            if self.options.strict_json:
+                from gramserve.grammar.schema_normalize import close_objects  # imports base, like this module
+
+                schema = close_objects(schema)
             return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=self.json_options)
         if kind == "json_object":
             return llg.LLMatcher.grammar_from_json_schema(JSON_OBJECT_SCHEMA, overrides=self.json_options)
         if kind == "regex":
-            return llg.LLMatcher.grammar_from_regex(text)
+            return llg.LLMatcher.grammar_from_regex(ascii_classes(text))
         if kind == "ebnf":
             if looks_like_gbnf(text):
                 from llguidance.gbnf_to_lark import gbnf_to_lark
@@ -219,7 +229,12 @@ class LLGuidanceBackend(GrammarBackend):
             body = "(" + " | ".join(alts) + ")" + ("?" if "" in choices else "")
             return llg.LLMatcher.grammar_from_lark("start: " + body)
         if kind == "structural_tag":
-            return structural_tag_to_llguidance(normalize_structural_tag(text), self.json_options)
+            tag = normalize_structural_tag(text)
+            if self.options.strict_json:  # tool arguments closed as in json_schema (and as xgrammar's strict mode)
+                from gramserve.grammar.schema_normalize import close_objects
+
+                map_json_schemas(tag["format"], close_objects)
+            return structural_tag_to_llguidance(tag, self.json_options)
         raise GrammarCompileError(f"llguidance: unsupported grammar kind {kind!r}")
 
     def _compile(self, spec: GrammarSpec) -> object:

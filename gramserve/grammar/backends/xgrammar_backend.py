@@ -189,28 +189,32 @@ class XGrammarBackend(GrammarBackend):
         raise GrammarCompileError(f"xgrammar: unsupported grammar kind {kind!r}")
 
     def _compile_json(self, schema: str) -> xgr.CompiledGrammar:
+        """xgrammar's grammar for the schema, patched where its printed form is wrong or slow (see the regexes
+        below), then compiled."""
         kw = self._json_kwargs()
-        compact = kw.get("separators") == (",", ":")
-        if not compact and "max_whitespace_cnt" not in kw:  # nothing to patch in xgrammar's grammar
-            return self.compiler.compile_json_schema(schema, **kw)
-        ebnf = str(xgr.Grammar.from_json_schema(schema, **kw))
-        fixed = inline_bounded_whitespace(_COMPACT_FIX.sub(r'\1"," basic_', ebnf) if compact else ebnf)
-        if fixed == ebnf:
-            return self.compiler.compile_json_schema(schema, **kw)
-        return self.compiler.compile_grammar(fixed)
+        grammar = xgr.Grammar.from_json_schema(schema, **kw)
+        ebnf = str(grammar)
+        fixed = _BOUNDED_STRING_CHARS.sub(_JSON_STRING_CHAR, ebnf)
+        if kw.get("separators") == (",", ":"):
+            fixed = _COMPACT_FIX.sub(r'\1"," basic_', fixed)
+        if "max_whitespace_cnt" in kw:
+            fixed = inline_bounded_whitespace(fixed)
+        return self.compiler.compile_grammar(grammar if fixed == ebnf else fixed)
 
     def _compile_structural_tag(self, tag: str) -> xgr.CompiledGrammar:
-        """With bounded whitespace, the tag's grammar with the whitespace repetitions of its JSON contents written
-        out (tool-call arguments: 2 us a fill instead of 10-235 us next to whitespace). xgrammar's own compile
-        otherwise, and also if its printed grammar does not parse back (it then reports its own error, if any)."""
-        if self.options.max_whitespace is not None and self.options.max_whitespace > 0:
-            try:
-                ebnf = str(xgr.Grammar.from_structural_tag(tag))
-                fixed = inline_bounded_whitespace(ebnf)
-                if fixed != ebnf:
-                    return self.compiler.compile_grammar(fixed)
-            except Exception as e:  # noqa: BLE001 - compile_structural_tag below gives the error or the grammar
-                logger.debug("structural tag through EBNF failed (%s); compiling it as xgrammar does", e)
+        """The tag's grammar with bounded strings fixed (as in ``_compile_json``) and, with bounded whitespace, the
+        whitespace repetitions of its JSON contents written out (tool-call arguments: 2 us a fill instead of 10-235
+        us next to whitespace). xgrammar's own compile if its printed grammar does not parse back (it then reports
+        its own error, if any)."""
+        try:
+            ebnf = str(xgr.Grammar.from_structural_tag(tag))
+            fixed = _BOUNDED_STRING_CHARS.sub(_JSON_STRING_CHAR, ebnf)
+            if self.options.max_whitespace is not None and self.options.max_whitespace > 0:
+                fixed = inline_bounded_whitespace(fixed)
+            if fixed != ebnf:
+                return self.compiler.compile_grammar(fixed)
+        except Exception as e:  # noqa: BLE001 - compile_structural_tag below gives the error or the grammar
+            logger.debug("structural tag through EBNF failed (%s); compiling it as xgrammar does", e)
         return self.compiler.compile_structural_tag(tag)
 
     def _structural_tag_json(self, text: str) -> str:
@@ -236,6 +240,11 @@ def _clean_error(e: BaseException) -> str:
         msg = f"internal xgrammar error ({msg.rstrip(':')})"
     return msg if len(msg) <= 2000 else msg[:2000] + " ..."
 
+
+# Strings with minLength/maxLength: xgrammar 0.2.8 writes their characters as `[^\"\\\r\n]`, which lets raw control
+# characters (a tab, \x07) into the string: not JSON. The unbounded string rule excludes \0-\x1f as JSON requires.
+_BOUNDED_STRING_CHARS = re.compile(r'(?m)^(\w+_characters ::= \(\()\[\^\\"\\\\\\r\\n\](\)\))$')
+_JSON_STRING_CHAR = r'\1[^\\0-\\x1f\\"\\\\]\2'
 
 # Built-in rules for untyped arrays/objects: `basic_array_items ::= ((", " basic_any))` etc.
 _COMPACT_FIX = re.compile(r'^(basic_\w+ ::= \(\()", " basic_', re.M)
