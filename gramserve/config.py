@@ -110,11 +110,15 @@ class ServerArgs:
     max_n: int = 128  # largest accepted `n`
     log_level: str = "info"
     # Structured generation
-    # auto: xgrammar first, then llguidance, then outlines, for grammars a backend rejects or cannot enforce
+    # auto: llguidance first, xgrammar when llguidance rejects the grammar or its masks measure expensive, then
+    # outlines (grammar/service.py)
     grammar_backend: str = "auto"
     grammar_compile_timeout: float = 5.0  # seconds; past it the request gets a 400
     grammar_max_whitespace: int | None = 2  # consecutive whitespace characters allowed inside JSON
-    grammar_strict_json: bool = True  # xgrammar: no undeclared properties unless the schema allows them explicitly
+    grammar_strict_json: bool = True  # no undeclared properties unless the schema allows them explicitly
+    # compiled grammars kept across restarts (outlines-core's; grammar/disk_cache.py); None: the user's cache
+    # folder; "": none
+    grammar_cache_dir: str | None = None
     # Threads filling one step's masks (auto: half the cores, 1 to 8; 0: row by row, no batching)
     grammar_fill_threads: int | str = "auto"
     # Grammar workers; each constrained request's matcher lives in one (None: the device's default)
@@ -262,7 +266,13 @@ class ServerArgs:
             "--grammar-strict-json",
             action=argparse.BooleanOptionalAction,
             default=defaults.grammar_strict_json,
-            help="JSON schemas: forbid properties/items the schema does not declare (xgrammar)",
+            help="JSON schemas: forbid properties the schema does not declare, unless it allows them explicitly",
+        )
+        parser.add_argument(
+            "--grammar-cache-dir",
+            default=defaults.grammar_cache_dir,
+            help="folder of compiled grammars kept across restarts (those that load faster than they compile: "
+            "outlines-core's); default ~/.cache/gramserve/grammars; '' turns it off",
         )
         parser.add_argument(
             "--grammar-fill-threads",

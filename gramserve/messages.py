@@ -49,7 +49,12 @@ class GrammarCompileResp:
     rid: str
     backend: str | None  # the backend that compiled it; None on failure
     error: str | None = None
-    compile_ms: float = 0.0
+    compile_ms: float = 0.0  # the compile's own time (for "shared": the compile it waited for)
+    # "compiled": this request's compile ran; "shared": it waited for a compile of the same grammar already running;
+    # "cache": the compiled grammar was in memory; "disk": loaded from the disk cache (grammar/disk_cache.py)
+    source: str = "compiled"
+    # `auto`: the measured mask fill cost (us per row) of each backend tried, for the log and the stats
+    fill_probe_us: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

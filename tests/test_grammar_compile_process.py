@@ -86,7 +86,7 @@ def test_worker_compiles_and_the_matcher_works(service, tokenizer):
 def test_runaway_compile_worker_is_killed(service):
     compiler = service._compiler("outlines")
     assert service.submit(compile_req("slow", "regex", RUNAWAY)) is None
-    pending = service.pending["slow"]
+    pending = service.flight_of("slow")
     deadline = time.monotonic() + 120
     pid = None
     while pid is None and time.monotonic() < deadline:  # the worker may still be starting
@@ -138,7 +138,7 @@ def test_crashed_worker_fails_its_compile_only(service):
     deadline = time.monotonic() + 120
     pid = None
     while pid is None and time.monotonic() < deadline:
-        pid = compiler.running_pid(service.pending["boom"].future)
+        pid = compiler.running_pid(service.flight_of("boom").future)
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)  # as the OOM killer would
     resp = wait_for(service, "boom")
@@ -163,7 +163,7 @@ def test_process_compiler_on_its_own(tokenizer):
     pc = ProcessCompiler(BackendArgs("outlines", tokenizer, len(tokenizer), [EOS], GrammarOptions()), max_workers=2)
     try:
         futs = [pc.submit(GrammarRequest("regex", f"[0-9]{{{n}}}")) for n in (1, 2, 3)]
-        assert [type(f.result(timeout=120)).__name__ for f in futs] == ["_OutlinesCompiled"] * 3
+        assert [type(f.result(timeout=120).compiled).__name__ for f in futs] == ["_OutlinesCompiled"] * 3
         assert 1 <= len(pc.worker_pids()) <= 2
         slow = pc.submit(GrammarRequest("regex", RUNAWAY))
         while not slow.running():

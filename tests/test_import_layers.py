@@ -12,7 +12,7 @@ TYPE_CHECKING). The layers, top down:
     grammar protocol        sampling, base                          (grammar_shm, token_feed: the scheduler's share)
     model, parsers          base
     sampling                base
-    base                    nothing else (config, ipc, messages, sampling.params: SamplingParams is a message field)
+    base                    nothing else (config, ipc, messages, histogram, sampling.params: a message field)
 
 So the scheduler process loads no grammar backend code, and the grammar workers load no model code. Read
 statically with `ast`, without importing anything.
@@ -32,6 +32,7 @@ PARTS = {
     "gramserve.config": "base",
     "gramserve.ipc": "base",
     "gramserve.messages": "base",
+    "gramserve.histogram": "base",
     "gramserve.sampling.params": "base",
     "gramserve.sampling": "sampling",
     "gramserve.model": "model",

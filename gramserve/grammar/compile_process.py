@@ -37,6 +37,7 @@ from pathlib import Path
 
 from gramserve.grammar.backends import create_backend
 from gramserve.grammar.backends.base import GrammarBackend, GrammarCompileError, GrammarOptions, GrammarSpec
+from gramserve.grammar.disk_cache import PERSISTED_BACKENDS, DiskCache, backend_fingerprint
 from gramserve.grammar.schema_audit import unenforced
 from gramserve.messages import GrammarRequest
 
@@ -60,6 +61,15 @@ def compile_grammar(backend: GrammarBackend, grammar: GrammarRequest) -> object:
 
 
 @dataclass
+class CompileResult:
+    """What a compile job gives back, on a thread or from a worker process."""
+
+    compiled: object
+    source: str = "compiled"  # or "disk": loaded from the disk cache
+    fill_us: float | None = None  # the measured fill cost (fill_probe), when it was probed
+
+
+@dataclass
 class BackendArgs:
     """What a worker needs to build its backend (sent pickled as its first message)."""
 
@@ -68,6 +78,7 @@ class BackendArgs:
     vocab_size: int
     eos_token_ids: list[int]
     options: GrammarOptions
+    cache_dir: str = ""  # the disk cache (disk_cache.py) for PERSISTED_BACKENDS; "" for none
 
 
 @dataclass
@@ -201,7 +212,7 @@ class ProcessCompiler:
                 with self._lock:
                     w.job = None
                 if status == "ok":
-                    job.future.set_result(detail)
+                    job.future.set_result(CompileResult(*detail))
                 elif status == "rejected":
                     job.future.set_exception(GrammarCompileError(detail))
                 else:
@@ -282,6 +293,12 @@ def _worker_main(fd: int) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the parent
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
+    cache = None
+    if args.cache_dir and args.name in PERSISTED_BACKENDS:
+        try:
+            cache = DiskCache(args.cache_dir, backend_fingerprint(backend))
+        except OSError as exc:
+            logger.warning("no grammar disk cache (%s): %s", args.cache_dir, exc)
     conn.send(("ready", os.getpid()))
     while True:
         try:
@@ -290,7 +307,7 @@ def _worker_main(fd: int) -> None:
             return
         t0 = time.monotonic()
         try:
-            reply = (job_id, "ok", compile_grammar(backend, grammar))
+            reply = (job_id, "ok", _compile_cached(backend, grammar, cache))
         except GrammarCompileError as exc:
             reply = (job_id, "rejected", str(exc))
         except BaseException as exc:  # noqa: BLE001 - includes Rust panics
@@ -300,6 +317,18 @@ def _worker_main(fd: int) -> None:
         except Exception as exc:  # noqa: BLE001 - e.g. the result does not pickle
             conn.send((job_id, "error", f"cannot send the compiled grammar back: {type(exc).__name__}: {exc}"))
         logger.debug("compiled %s in %.1f ms", grammar.kind, (time.monotonic() - t0) * 1e3)
+
+
+def _compile_cached(backend: GrammarBackend, grammar: GrammarRequest, cache: DiskCache | None) -> tuple[object, str]:
+    """(compiled, source) for a CompileResult; a plain tuple, since this module runs as __main__ here."""
+    if cache is not None:
+        compiled = cache.load(grammar.kind, grammar.text)
+        if compiled is not None:
+            return compiled, "disk"
+    compiled = compile_grammar(backend, grammar)
+    if cache is not None:
+        cache.store(grammar.kind, grammar.text, compiled)
+    return compiled, "compiled"
 
 
 if __name__ == "__main__":

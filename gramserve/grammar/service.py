@@ -2,16 +2,25 @@
 
 Compiles run on worker threads (the backends release the GIL), so mask filling for running requests
 never waits behind a compile; outlines-core compiles (the slow ones) run in worker processes instead
-(``compile_process``). A compile that outlives its timeout (counted from when it starts running) is
-answered with an error at once. A worker process running it is killed (and replaced); a thread cannot be,
-so its late result is discarded and the thread pool is replaced, so later compiles never queue behind a
-runaway one. Results are cached by (backend, kind, text), failures in a negative cache.
-`auto` tries the backends in order and falls back to the next one when a backend rejects the grammar.
-A step's mask rows are filled in batches per backend on ``fill_threads`` threads (see ``fill``).
+(``compile_process``), which also keep a persistent cache on disk (``disk_cache``). A compile that outlives
+its timeout (counted from when it starts running) is answered with an error at once. A worker process running
+it is killed (and replaced); a thread cannot be, so its late result is discarded and the thread pool is
+replaced, so later compiles never queue behind a runaway one.
+
+One compile per grammar: results are cached by (backend, kind, text), failures in a negative cache, and a
+request whose grammar is already compiling joins that compile (a *flight*) instead of starting another.
+
+`auto` picks the backend by measured cost: it compiles with the first backend of ``AUTO_ORDER`` that
+accepts the grammar (llguidance: about 1 ms), measures what its masks cost to fill (``fill_probe``) and serves
+the requests with it. Only if that cost is above ``SWITCH_FILL_US`` does it compile and measure the next
+backend too, in the background (a *challenger* flight that no request waits for), and later requests for the
+grammar get the cheaper of the two. The choice is cached per (kind, text). A step's mask rows are filled in
+batches per backend on ``fill_threads`` threads (see ``fill``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -23,25 +32,55 @@ import torch
 
 from gramserve.grammar.backends import BACKEND_NAMES, create_backend
 from gramserve.grammar.backends.base import GrammarBackend, GrammarCompileError, GrammarOptions, Matcher
-from gramserve.grammar.compile_process import PROCESS_BACKENDS, BackendArgs, ProcessCompiler, compile_grammar
+from gramserve.grammar.compile_process import (
+    PROCESS_BACKENDS,
+    BackendArgs,
+    CompileResult,
+    ProcessCompiler,
+    compile_grammar,
+)
 from gramserve.grammar.fill import FillPool, fill_rows
+from gramserve.grammar.fill_probe import probe_fill_us
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
 
 logger = logging.getLogger(__name__)
 
-AUTO_ORDER = ("xgrammar", "llguidance", "outlines")
+# llguidance first: over the dev corpus it compiles in p50 1.1 ms / p99 1.7 ms (xgrammar: 10 / 247 ms) and fills
+# as fast on unbounded fields, 2-4x faster on bounded strings and formats (docs/benchmarks.md, "Backend choice").
+AUTO_ORDER = ("llguidance", "xgrammar", "outlines")
+# `auto`: a backend whose masks cost more than this (us per row, measured) makes the next backend worth a try.
+SWITCH_FILL_US = 40.0
+# The background comparison walks this far (bounded strings cost most at their later characters), within a budget.
+LONG_PROBE_STEPS = 256
+LONG_PROBE_MS = 150.0
+# The challenger takes over only if clearly cheaper (probes of two backends over the same walk still vary).
+SWITCH_MARGIN = 0.75
+# Challengers run one at a time on their own thread, never ahead of compiles that requests wait for; when many new
+# grammars arrive at once, the ones past this many waiting are not challenged.
+MAX_CHALLENGERS = 8
 
 
 @dataclass
-class _PendingCompile:
-    rid: str
+class _Flight:
+    """One grammar compiling for one or more requests."""
+
+    key: tuple[str, str, str]  # (requested backend, kind, text)
     grammar: GrammarRequest
     candidates: list[str]  # backends still to try, in order
+    rids: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    probes: dict[str, float] = field(default_factory=dict)  # backend -> measured fill us (auto)
+    best: tuple[str, object] | None = None  # auto: the cheapest (backend, compiled) so far
     future: Future | None = None
     backend: str = ""
     started: float = 0.0
     in_process: bool = False  # compiling in a worker process (killable) rather than on a thread
+    created: float = field(default_factory=time.monotonic)
+    challenger: bool = False  # auto: measuring another backend in the background, for later requests
+
+    @property
+    def auto(self) -> bool:
+        return self.key[0] in ("auto", "auto-challenger")
 
 
 class LRU(OrderedDict):
@@ -70,12 +109,13 @@ class GrammarService:
         eos_token_ids: list[int],
         options: GrammarOptions,
         bitmask: torch.Tensor,
-        default_backend: str = "xgrammar",
+        default_backend: str = "auto",
         compile_timeout_s: float = 5.0,
         cache_size: int = 512,
         compile_threads: int = 2,
         fill_threads: int = 1,
         compile_processes: bool = True,
+        cache_dir: str = "",
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -84,25 +124,30 @@ class GrammarService:
         self.bitmask = bitmask
         self.default_backend = default_backend
         self.compile_timeout_s = compile_timeout_s
+        self.cache_dir = cache_dir
         self._backends: dict[str, GrammarBackend] = {}
         self._backend_lock = threading.Lock()
-        self.cache = LRU(cache_size)
+        self.cache = LRU(cache_size)  # (backend, kind, text) -> compiled
+        self.chosen = LRU(cache_size)  # auto: (kind, text) -> the backend it picked
         self.failures = LRU(cache_size)
         self.matchers: dict[str, Matcher] = {}
-        self.pending: dict[str, _PendingCompile] = {}
+        self.pending: dict[tuple[str, str, str], _Flight] = {}  # compiles in flight, by key
+        self._flight_of: dict[str, _Flight] = {}  # rid -> its flight
         self.compile_threads = compile_threads
         self.pool = ThreadPoolExecutor(max_workers=compile_threads, thread_name_prefix="grammar-compile")
+        self.challenge_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-challenge")
         self.fill_pool = FillPool(fill_threads)  # resolved by server/settings.py (0: row by row)
         # Backends in PROCESS_BACKENDS compile in worker processes (made on first use) unless this is False.
         self.compile_processes = compile_processes
         self._compilers: dict[str, ProcessCompiler] = {}
-        self.stats = {"compiled": 0, "cache_hits": 0, "failed": 0, "timeouts": 0}
+        self.stats = {"compiled": 0, "cache_hits": 0, "shared": 0, "disk_hits": 0, "failed": 0, "timeouts": 0}
         if default_backend != "auto":
             self.backend(default_backend)
             if self._in_process(default_backend):
                 self._compiler(default_backend)  # start a worker now rather than on the first request
         else:
             self.backend(AUTO_ORDER[0])
+            self.pool.submit(self.backend, AUTO_ORDER[1])  # the usual second choice, built off the hot path
 
     def backend(self, name: str) -> GrammarBackend:
         with self._backend_lock:
@@ -115,49 +160,82 @@ class GrammarService:
     # --- compiling --------------------------------------------------------------------------------
 
     def submit(self, req: GrammarCompileReq) -> GrammarCompileResp | None:
-        """Start compiling; returns a response at once on a cache hit or an invalid backend name."""
-        name = req.grammar.backend
+        """Start compiling, or join the compile of the same grammar in flight; returns a response at once on a
+        cache hit or an invalid backend name."""
+        g = req.grammar
+        name = g.backend
         if name == "auto":
             candidates = list(AUTO_ORDER)
+            chosen = self.chosen.get_recent((g.kind, g.text))
+            if chosen is not None:
+                candidates = [chosen]
         elif name in BACKEND_NAMES:
             candidates = [name]
         else:
             return GrammarCompileResp(
                 req.rid, None, f"unknown grammar backend {name!r}; use one of {list(BACKEND_NAMES) + ['auto']}"
             )
-        pending = _PendingCompile(req.rid, req.grammar, candidates)
-        return self._try_next(pending)
+        key = (name, g.kind, g.text)
+        flight = self.pending.get(key)
+        if flight is not None:
+            flight.rids.append(req.rid)
+            self._flight_of[req.rid] = flight
+            self.stats["shared"] += 1
+            return None
+        flight = _Flight(key, g, candidates, rids=[req.rid])
+        out = self._try_next(flight)
+        return out[0] if out else None
 
-    def _try_next(self, p: _PendingCompile) -> GrammarCompileResp | None:
-        while p.candidates:
-            backend = p.candidates.pop(0)
-            key = (backend, p.grammar.kind, p.grammar.text)
+    def _try_next(self, f: _Flight) -> list[GrammarCompileResp]:
+        """Start the flight's next candidate; the answers for its requests if it ended (hit, or none left)."""
+        while f.candidates:
+            backend = f.candidates.pop(0)
+            key = (backend, f.grammar.kind, f.grammar.text)
             compiled = self.cache.get_recent(key)
+            if compiled is not None and f.challenger:  # measured before, or asked for by name: no news
+                return []
             if compiled is not None:
                 self.stats["cache_hits"] += 1
-                return self._ready(p.rid, backend, compiled, 0.0)
+                return self._finish(f, backend, compiled, 0.0, "cache")
             failure = self.failures.get_recent(key)
             if failure is not None:
-                p.errors.append(f"{backend}: {failure}")
+                f.errors.append(f"{backend}: {failure}")
                 continue
-            p.backend, p.started = backend, time.monotonic()
-            p.in_process = self._in_process(backend)
-            if p.in_process:
+            f.backend, f.started = backend, time.monotonic()
+            f.in_process = self._in_process(backend)
+            if f.in_process:
 
-                def started(p=p) -> None:  # the timeout counts from when a worker takes it
-                    p.started = time.monotonic()
+                def started(f=f) -> None:  # the timeout counts from when a worker takes it
+                    f.started = time.monotonic()
 
-                p.future = self._compiler(backend).submit(p.grammar, on_start=started)
+                f.future = self._compiler(backend).submit(f.grammar, on_start=started)
             else:
-                p.future = self.pool.submit(self._timed_compile, p, backend, p.grammar)
-            self.pending[p.rid] = p
-            return None
+                pool = self.challenge_pool if f.challenger else self.pool
+                f.future = pool.submit(self._timed_compile, f, backend, f.grammar)
+            self.pending[f.key] = f
+            for rid in f.rids:
+                self._flight_of[rid] = f
+            return []
+        if f.best is not None:  # auto: a later candidate failed, the earlier one stands
+            return self._conclude(f, "compiled")
         self.stats["failed"] += 1
-        return GrammarCompileResp(p.rid, None, "; ".join(p.errors) or "grammar rejected")
+        error = "; ".join(f.errors) or "grammar rejected"
+        return self._answer_all(f, lambda rid: GrammarCompileResp(rid, None, error))
 
-    def _timed_compile(self, p: _PendingCompile, backend: str, grammar: GrammarRequest):
-        p.started = time.monotonic()  # the timeout counts from the start of the work, not from the queue
-        return compile_grammar(self.backend(backend), grammar)
+    def _timed_compile(self, f: _Flight, backend: str, grammar: GrammarRequest) -> CompileResult:
+        f.started = time.monotonic()  # the timeout counts from the start of the work, not from the queue
+        b = self.backend(backend)
+        compiled = compile_grammar(b, grammar)
+        fill_us = None
+        if f.challenger:  # both measured over the same long walk: short ones miss the costly states deep inside
+            fill_us = probe_fill_us(b, compiled, steps=LONG_PROBE_STEPS, budget_ms=LONG_PROBE_MS)
+            incumbent, incumbent_compiled = f.best
+            f.probes[incumbent] = round(
+                probe_fill_us(self.backend(incumbent), incumbent_compiled, LONG_PROBE_STEPS, LONG_PROBE_MS), 2
+            )
+        elif f.auto and self._others_left(f):  # a quick look: is the first choice cheap enough to stop at?
+            fill_us = probe_fill_us(b, compiled)
+        return CompileResult(compiled, "compiled", fill_us)
 
     def _in_process(self, backend: str) -> bool:
         if not self.compile_processes or backend not in PROCESS_BACKENDS:
@@ -170,81 +248,168 @@ class GrammarService:
     def _compiler(self, backend: str) -> ProcessCompiler:
         compiler = self._compilers.get(backend)
         if compiler is None:
-            args = BackendArgs(backend, self.tokenizer, self.vocab_size, list(self.eos_token_ids), self.options)
+            args = BackendArgs(
+                backend, self.tokenizer, self.vocab_size, list(self.eos_token_ids), self.options, self.cache_dir
+            )
             compiler = self._compilers[backend] = ProcessCompiler(args, max_workers=self.compile_threads)
             # This process still makes the matchers: build its copy of the backend off the hot path.
             self.pool.submit(self.backend, backend)
         return compiler
 
-    def _ready(self, rid: str, backend: str, compiled, ms: float) -> GrammarCompileResp:
+    def _finish(self, f: _Flight, backend: str, compiled, ms: float, source: str) -> list[GrammarCompileResp]:
+        """The flight succeeded with `backend`: a matcher per request."""
+        if f.auto:
+            self.chosen.put((f.grammar.kind, f.grammar.text), backend)
+            if f.challenger:
+                logger.info(
+                    "grammar %s: auto serves it with %s from now on (fill us per row: %s)",
+                    describe(f.grammar),
+                    backend,
+                    f.probes,
+                )
+        return self._answer_all(f, lambda rid: self._ready(rid, backend, compiled, ms, source, f.probes))
+
+    def _answer_all(self, f: _Flight, answer) -> list[GrammarCompileResp]:
+        self.pending.pop(f.key, None)
+        out = []
+        for i, rid in enumerate(f.rids):
+            self._flight_of.pop(rid, None)
+            resp = answer(rid)
+            if i > 0 and resp.backend is not None:
+                resp.source = "shared"
+            out.append(resp)
+        return out
+
+    def _ready(self, rid: str, backend: str, compiled, ms: float, source: str, probes: dict) -> GrammarCompileResp:
         try:
             self.matchers[rid] = self.backend(backend).matcher(compiled)
         except Exception as exc:  # noqa: BLE001 - a backend bug must not take the process down
             logger.exception("matcher creation failed")
             return GrammarCompileResp(rid, None, f"{backend}: cannot create a matcher: {exc}")
-        return GrammarCompileResp(rid, backend, None, ms)
+        return GrammarCompileResp(rid, backend, None, ms, source, dict(probes))
 
     def poll_compiles(self) -> list[GrammarCompileResp]:
         """Collect finished (or timed-out) compiles."""
         out = []
         now = time.monotonic()
-        for rid, p in list(self.pending.items()):
-            fut = p.future
-            key = (p.backend, p.grammar.kind, p.grammar.text)
+        for f in list(self.pending.values()):
+            if self.pending.get(f.key) is not f:
+                continue  # dropped while this loop ran (a challenger pool replaced)
+            fut = f.future
+            key = (f.backend, f.grammar.kind, f.grammar.text)
             if fut.done():
-                del self.pending[rid]
-                ms = (now - p.started) * 1e3
+                del self.pending[f.key]
                 try:
-                    compiled = fut.result()
+                    result: CompileResult = fut.result()
                 except GrammarCompileError as exc:
                     self.failures.put(key, str(exc))
-                    p.errors.append(f"{p.backend}: {exc}")
+                    f.errors.append(f"{f.backend}: {exc}")
                 except BaseException as exc:  # noqa: BLE001 - includes Rust panics surfacing as BaseException
-                    if p.in_process and self._compilers[p.backend].broken:  # no worker: compile on a thread
-                        p.candidates.insert(0, p.backend)
-                        resp = self._try_next(p)
-                        if resp is not None:
-                            out.append(resp)
+                    if f.in_process and self._compilers[f.backend].broken:  # no worker: compile on a thread
+                        f.candidates.insert(0, f.backend)
+                        out.extend(self._try_next(f))
                         continue
-                    logger.exception("grammar backend %s crashed while compiling", p.backend)
+                    logger.exception("grammar backend %s crashed while compiling", f.backend)
                     self.failures.put(key, f"backend error: {type(exc).__name__}: {exc}")
-                    p.errors.append(f"{p.backend}: backend error: {exc}")
+                    f.errors.append(f"{f.backend}: backend error: {exc}")
                 else:
-                    self.cache.put(key, compiled)
-                    self.stats["compiled"] += 1
-                    logger.info("grammar for %s compiled by %s in %.1f ms", rid, p.backend, ms)
-                    out.append(self._ready(rid, p.backend, compiled, ms))
+                    out.extend(self._compiled(f, result))
                     continue
-                resp = self._try_next(p)
-                if resp is not None:
-                    out.append(resp)
-            elif fut.running() and now - p.started > self.compile_timeout_s:
-                del self.pending[rid]
+                out.extend(self._try_next(f))
+            elif fut.running() and now - f.started > self.compile_timeout_s:
+                del self.pending[f.key]
                 self.stats["timeouts"] += 1
                 msg = f"compiling the grammar took longer than the {self.compile_timeout_s:g} s limit"
                 self.failures.put(key, msg)
-                logger.warning("grammar for %s: %s (%s)", rid, msg, p.backend)
-                if p.in_process:
-                    self._compilers[p.backend].kill(fut)  # a fresh worker takes its place
+                logger.warning("grammar %s: %s (%s)", describe(f.grammar), msg, f.backend)
+                if f.in_process:
+                    self._compilers[f.backend].kill(fut)  # a fresh worker takes its place
+                elif f.challenger:
+                    self.challenge_pool.shutdown(wait=False, cancel_futures=True)
+                    self.challenge_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-challenge")
+                    self._drop_cancelled_challengers()
                 else:
                     # A thread cannot be stopped: it finishes in the background and its result is dropped.
                     # New compiles go to a fresh pool so they never queue behind it.
                     self._abandon_pool()
-                out.append(GrammarCompileResp(rid, None, f"{p.backend}: {msg}"))
+                if f.best is not None:
+                    out.extend(self._conclude(f, "compiled"))
+                else:
+                    out.extend(self._answer_all(f, lambda rid: GrammarCompileResp(rid, None, f"{f.backend}: {msg}")))
         return out
+
+    def _compiled(self, f: _Flight, result: CompileResult) -> list[GrammarCompileResp]:
+        """A candidate compiled: cache it, then finish, or (auto, expensive masks) try the next backend too."""
+        self.cache.put((f.backend, f.grammar.kind, f.grammar.text), result.compiled)
+        self.stats["disk_hits" if result.source == "disk" else "compiled"] += 1
+        if result.fill_us is not None:
+            f.probes[f.backend] = round(result.fill_us, 2)
+        margin = SWITCH_MARGIN if f.challenger else 1.0
+        if f.best is None or f.probes.get(f.backend, 0.0) < margin * f.probes.get(f.best[0], float("inf")):
+            f.best = (f.backend, result.compiled)
+        out = self._conclude(f, result.source)
+        if not f.challenger and result.fill_us is not None and result.fill_us > SWITCH_FILL_US and self._others_left(f):
+            self._challenge(f)
+        return out
+
+    def _challenge(self, f: _Flight) -> None:
+        """Compile and measure the next backend in the background; `_finish` records the cheaper as the choice."""
+        key = ("auto-challenger", f.grammar.kind, f.grammar.text)
+        if key in self.pending or sum(p.challenger for p in self.pending.values()) >= MAX_CHALLENGERS:
+            return
+        others = [b for b in f.candidates if b not in PROCESS_BACKENDS]
+        challenger = _Flight(key, f.grammar, others, probes=dict(f.probes), best=f.best, challenger=True)
+        self._try_next(challenger)  # a cache hit ends it at once; nothing waits for its answers
+
+    @staticmethod
+    def _others_left(f: _Flight) -> bool:
+        """Is there another backend worth measuring? (outlines-core, the slow-compiling last resort, is not.)"""
+        return any(b not in PROCESS_BACKENDS for b in f.candidates)
+
+    def _conclude(self, f: _Flight, source: str) -> list[GrammarCompileResp]:
+        """Serve the flight's requests with its best backend; one log line per grammar compiled."""
+        backend, compiled = f.best
+        ms = (time.monotonic() - f.created) * 1e3
+        if f.challenger:
+            pass  # _finish logs the choice
+        elif source == "disk":
+            logger.info("grammar %s loaded by %s from the disk cache in %.1f ms", describe(f.grammar), backend, ms)
+        else:
+            probes = ", ".join(f"{b} {us:.1f}" for b, us in f.probes.items())
+            logger.info(
+                "grammar %s compiled by %s in %.1f ms%s%s",
+                describe(f.grammar),
+                backend,
+                ms,
+                f" (fill us per row: {probes})" if probes else "",
+                f" for {len(f.rids)} requests" if len(f.rids) > 1 else "",
+            )
+        return self._finish(f, backend, compiled, ms, source)
 
     def _abandon_pool(self) -> None:
         old = self.pool
         self.pool = ThreadPoolExecutor(max_workers=self.compile_threads, thread_name_prefix="grammar-compile")
         # Compiles still queued on the old pool move over: resubmit them (the running one stays behind).
-        for p in self.pending.values():
-            if not p.in_process and p.future is not None and p.future.cancel():
-                p.started = time.monotonic()
-                p.future = self.pool.submit(self._timed_compile, p, p.backend, p.grammar)
+        for f in self.pending.values():
+            if not f.in_process and not f.challenger and f.future is not None and f.future.cancel():
+                f.started = time.monotonic()
+                f.future = self.pool.submit(self._timed_compile, f, f.backend, f.grammar)
         old.shutdown(wait=False)
 
+    def _drop_cancelled_challengers(self) -> None:
+        for key, f in list(self.pending.items()):
+            if f.challenger and f.future is not None and f.future.cancelled():
+                del self.pending[key]
+
+    def flight_of(self, rid: str) -> _Flight | None:
+        """The compile the request waits for, if any."""
+        return self._flight_of.get(rid)
+
     def abort(self, rid: str) -> None:
-        self.pending.pop(rid, None)
+        """Drop the request's matcher; a compile it waits for goes on for the others (and the cache)."""
+        f = self._flight_of.pop(rid, None)
+        if f is not None and rid in f.rids:
+            f.rids.remove(rid)
         self.matchers.pop(rid, None)
 
     def close(self) -> None:
@@ -252,6 +417,7 @@ class GrammarService:
         for compiler in self._compilers.values():
             compiler.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.challenge_pool.shutdown(wait=False, cancel_futures=True)
 
     # --- stepping -----------------------------------------------------------------------------
 
@@ -274,3 +440,9 @@ class GrammarService:
             rows.append((m, row))
         fill_rows(rows, self.bitmask, self.fill_pool)
         return GrammarStepResp(req.step, rejected, (time.perf_counter() - t0) * 1e3)
+
+
+def describe(grammar: GrammarRequest) -> str:
+    """A short name for a grammar in log lines: its kind, size and a hash of its text."""
+    digest = hashlib.sha256(grammar.text.encode("utf-8", "surrogatepass")).hexdigest()[:10]
+    return f"{grammar.kind}:{digest} ({len(grammar.text)} B)"

@@ -19,6 +19,7 @@ import zmq
 
 from gramserve.config import ServerConfig
 from gramserve.grammar.backends.base import GrammarOptions
+from gramserve.grammar.disk_cache import default_cache_dir
 from gramserve.grammar.grammar_shm import attach_grammar_shm
 from gramserve.grammar.service import GrammarService
 from gramserve.grammar.token_feed import FeedReader, ShardState, take_fed_ids
@@ -60,6 +61,7 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
             default_backend=args.grammar_backend,
             compile_timeout_s=args.grammar_compile_timeout,
             fill_threads=settings.grammar_fill_threads,
+            cache_dir=default_cache_dir() if args.grammar_cache_dir is None else args.grammar_cache_dir,
         )
         feed = FeedReader(shared.shm.buf, settings.max_running_requests)
     except Exception as exc:  # noqa: BLE001 - reported to the launcher

@@ -35,6 +35,7 @@ import zmq
 from gramserve.config import ServerConfig
 from gramserve.grammar.grammar_shm import attach_grammar_shm, page_lock, page_unlock
 from gramserve.grammar.token_feed import FedLayout, FeedWriter
+from gramserve.histogram import Histogram
 from gramserve.ipc import SCHEDULER_GRAMMAR_IN, grammar_inbox, pull_socket, push_socket
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
 from gramserve.scheduler.grammar_slots import SlotTable
@@ -93,6 +94,24 @@ class GrammarClient:
             "wait_after_forward_ms": 0.0,
             "apply_ms": 0.0,
             "fill_ms": 0.0,
+        }
+        # Compile answers by source (messages.GrammarCompileResp.source; "failed": no backend took it) and by the
+        # backend that serves them; the time of each compile that ran (or disk load); each shard reply's fill time.
+        self.compiles = {"compiled": 0, "shared": 0, "cache": 0, "disk": 0, "failed": 0}
+        self.backends: dict[str, int] = {}
+        self.compile_hist = Histogram()
+        self.fill_hist = Histogram()
+
+    def report(self) -> dict:
+        """The grammar side of /get_server_info."""
+        return {
+            "grammar_timing": dict(self.timing),
+            "grammar_compiles": {**self.compiles, "backends": dict(self.backends)},
+            "grammar_compile_ms": self.compile_hist.report(),
+            "grammar_fill_ms_per_reply": self.fill_hist.report(),
+            "grammar_slots_in_use": self.slots_in_use,
+            "grammar_requests_per_shard": list(self.placed),
+            "grammar_live_requests": self.live_requests,
         }
 
     def attach(self, device: torch.device, use_feed: bool) -> None:
@@ -305,6 +324,7 @@ class GrammarClient:
         except zmq.Again:
             return False
         if isinstance(msg, GrammarCompileResp):
+            self._count_compile(msg)
             self._compiled.append(msg)
         elif isinstance(msg, GrammarStepResp):
             self._on_step(msg)
@@ -317,3 +337,13 @@ class GrammarClient:
         self._rejected.update(resp.rejected)
         self.timing["replies"] += 1
         self.timing["fill_ms"] += resp.fill_ms
+        self.fill_hist.observe(resp.fill_ms)
+
+    def _count_compile(self, resp: GrammarCompileResp) -> None:
+        if resp.backend is None:
+            self.compiles["failed"] += 1
+            return
+        self.compiles[resp.source] = self.compiles.get(resp.source, 0) + 1
+        self.backends[resp.backend] = self.backends.get(resp.backend, 0) + 1
+        if resp.source in ("compiled", "disk"):
+            self.compile_hist.observe(resp.compile_ms)

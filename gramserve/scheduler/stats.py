@@ -100,9 +100,14 @@ def server_info_report(
         "num_waiting": num_waiting,
         "num_grammar_compiling": num_grammar_compiling,
         "stats": dict(counters),
-        "grammar_timing": dict(grammar.timing) if grammar is not None else {},
-        "grammar_slots_in_use": grammar.slots_in_use if grammar is not None else 0,
-        "grammar_requests_per_shard": list(grammar.placed) if grammar is not None else [],
-        "grammar_live_requests": grammar.live_requests if grammar is not None else 0,
+        **(grammar.report() if grammar is not None else NO_GRAMMAR_REPORT),
         "step_phases_ms": phases.snapshot(),
     }
+
+
+NO_GRAMMAR_REPORT = {
+    "grammar_timing": {},
+    "grammar_slots_in_use": 0,
+    "grammar_requests_per_shard": [],
+    "grammar_live_requests": 0,
+}

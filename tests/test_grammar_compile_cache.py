@@ -1,0 +1,215 @@
+"""One compile per grammar: compile flights, `auto`'s measured backend choice, and the disk cache.
+
+GrammarService with the real backends and the default tokenizer; no model. The speed-suite schemas
+(benchmarks/speed_suite) are the real-world inputs: the extraction record's bounded strings are where
+backends' mask costs differ.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from gramserve.grammar.backends import GrammarOptions, create_backend
+from gramserve.grammar.backends.base import GrammarSpec
+from gramserve.grammar.disk_cache import DiskCache, backend_fingerprint
+from gramserve.grammar.fill_probe import probe_fill_us
+from gramserve.grammar.service import AUTO_ORDER, GrammarService
+from gramserve.histogram import Histogram
+from gramserve.messages import GrammarCompileReq, GrammarRequest
+from gramserve.sampling.bitmask import allocate_bitmask
+
+EOS = 2
+SUITE = Path(__file__).resolve().parents[1] / "benchmarks" / "speed_suite"
+
+
+def suite_schema(name: str) -> str:
+    return json.dumps(json.loads((SUITE / f"{name}.json").read_text())["grammar"])
+
+
+def make_service(tokenizer, **kw) -> GrammarService:
+    kw = {"compile_threads": 2, "fill_threads": 0, "compile_timeout_s": 30.0, **kw}
+    return GrammarService(tokenizer, len(tokenizer), [EOS], GrammarOptions(), allocate_bitmask(8, len(tokenizer)), **kw)
+
+
+def collect(service: GrammarService, rids: set[str], timeout: float = 120) -> dict:
+    out = {}
+    deadline = time.monotonic() + timeout
+    while set(out) != rids and time.monotonic() < deadline:
+        for resp in service.poll_compiles():
+            out[resp.rid] = resp
+        time.sleep(0.005)
+    assert set(out) == rids, f"no answer for {rids - set(out)}"
+    return out
+
+
+def test_requests_for_one_grammar_share_one_compile(tokenizer):
+    svc = make_service(tokenizer, default_backend="xgrammar")
+    try:
+        text = suite_schema("support_ticket")  # ~0.3 s with xgrammar: the others arrive while it compiles
+        first = svc.submit(GrammarCompileReq("r0", GrammarRequest("json_schema", text, backend="xgrammar")))
+        assert first is None
+        for i in range(1, 8):
+            assert (
+                svc.submit(GrammarCompileReq(f"r{i}", GrammarRequest("json_schema", text, backend="xgrammar"))) is None
+            )
+        svc.abort("r3")  # a request leaving its flight does not stop the compile for the others
+        got = collect(svc, {f"r{i}" for i in range(8) if i != 3})
+        assert svc.stats["compiled"] == 1 and svc.stats["shared"] == 7, svc.stats
+        assert got["r0"].source == "compiled" and all(got[f"r{i}"].source == "shared" for i in (1, 2, 4, 5, 6, 7))
+        assert {r.backend for r in got.values()} == {"xgrammar"} and "r3" not in svc.matchers
+        # Each request has its own matcher: they advance independently.
+        ids = tokenizer.encode('{"ticket_id": "TCK-1', add_special_tokens=False)
+        assert all(svc.matchers["r1"].accept_token(t) for t in ids)
+        assert svc.matchers["r2"].accept_token(ids[0]) and not svc.matchers["r2"].can_terminate()
+        # Later: a cache hit, answered at once.
+        hit = svc.submit(GrammarCompileReq("later", GrammarRequest("json_schema", text, backend="xgrammar")))
+        assert hit is not None and hit.source == "cache" and hit.error is None
+    finally:
+        svc.close()
+
+
+def test_a_failed_flight_fails_every_request_in_it(tokenizer):
+    svc = make_service(tokenizer, default_backend="xgrammar")
+    try:
+        bad = GrammarRequest("regex", "(unclosed", backend="xgrammar")
+        assert svc.submit(GrammarCompileReq("a", bad)) is None
+        assert svc.submit(GrammarCompileReq("b", bad)) is None
+        got = collect(svc, {"a", "b"})
+        assert got["a"].backend is None and got["b"].backend is None
+        assert got["a"].error == got["b"].error and "xgrammar" in got["a"].error
+    finally:
+        svc.close()
+
+
+def test_fill_probe_ranks_the_backends_as_a_long_walk_does(tokenizer):
+    """The probe's short walk agrees with the measurement it stands for: on bounded strings xgrammar's masks cost
+    more than llguidance's, on an unbounded record the two are close."""
+    costs = {}
+    for name in ("xgrammar", "llguidance"):
+        b = create_backend(name, tokenizer, len(tokenizer), [EOS], GrammarOptions())
+        compiled = b.compile(GrammarSpec("json_schema", suite_schema("extraction_record")))
+        costs[name] = probe_fill_us(b, compiled, steps=200, budget_ms=2000)
+        assert 0 < costs[name] < 10_000
+    assert costs["xgrammar"] > costs["llguidance"], costs
+
+
+def test_auto_tries_llguidance_first_and_remembers_its_choice(tokenizer):
+    assert AUTO_ORDER[0] == "llguidance"
+    svc = make_service(tokenizer)
+    try:
+        text = suite_schema("openai_strict_tool")
+        assert svc.submit(GrammarCompileReq("a", GrammarRequest("json_schema", text))) is None
+        resp = collect(svc, {"a"})["a"]
+        assert resp.error is None and resp.backend in ("llguidance", "xgrammar")
+        assert "llguidance" in resp.fill_probe_us and resp.fill_probe_us["llguidance"] > 0
+        if resp.fill_probe_us["llguidance"] <= 40:  # cheap enough: xgrammar was not even compiled
+            assert resp.backend == "llguidance" and "xgrammar" not in resp.fill_probe_us
+        again = svc.submit(GrammarCompileReq("b", GrammarRequest("json_schema", text)))
+        assert again.source == "cache" and again.backend == resp.backend
+        # A grammar llguidance rejects goes to the next backend.
+        rejected = json.dumps({"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3})
+        assert svc.submit(GrammarCompileReq("c", GrammarRequest("json_schema", rejected))) is None
+        resp = collect(svc, {"c"})["c"]
+        assert resp.backend != "llguidance", resp
+    finally:
+        svc.close()
+
+
+def test_auto_measures_the_next_backend_in_the_background_when_the_first_is_expensive(tokenizer, monkeypatch):
+    """With the switch threshold at 0 every probe is 'expensive': the request is served with llguidance at once,
+    xgrammar is compiled and measured behind it, and later requests get the cheaper of the two."""
+    import gramserve.grammar.service as service_module
+
+    monkeypatch.setattr(service_module, "SWITCH_FILL_US", 0.0)
+    svc = make_service(tokenizer)
+    try:
+        text = suite_schema("extraction_record")
+        assert svc.submit(GrammarCompileReq("a", GrammarRequest("json_schema", text))) is None
+        first = collect(svc, {"a"})["a"]
+        assert first.backend == "llguidance" and set(first.fill_probe_us) == {"llguidance"}
+        deadline = time.monotonic() + 60
+        while svc.pending and time.monotonic() < deadline:  # the challenger flight
+            assert svc.poll_compiles() == []  # nobody waits for it
+            time.sleep(0.01)
+        assert not svc.pending and svc.stats["compiled"] == 2
+        chosen = svc.chosen.get_recent(("json_schema", text))
+        later = svc.submit(GrammarCompileReq("b", GrammarRequest("json_schema", text)))
+        assert later.source == "cache" and later.backend == chosen
+        # Bounded strings: llguidance's masks are the cheaper ones (the probe's ranking, measured above).
+        assert chosen == "llguidance"
+    finally:
+        svc.close()
+
+
+def test_disk_cache_survives_a_restart(tokenizer, tmp_path):
+    """outlines-core compiles in worker processes that store what they compile; a new service loads it."""
+    regex = GrammarRequest("regex", r"[a-z]{2,6}-[0-9]{3,5}(\.[a-z]{2,4}){1,3}", backend="outlines")
+    svc = make_service(tokenizer, default_backend="outlines", cache_dir=str(tmp_path))
+    try:
+        assert svc.submit(GrammarCompileReq("a", regex)) is None
+        assert collect(svc, {"a"})["a"].source == "compiled"
+    finally:
+        svc.close()
+    assert len(list(tmp_path.glob("*.pkl"))) == 1
+    svc = make_service(tokenizer, default_backend="outlines", cache_dir=str(tmp_path))
+    try:
+        assert svc.submit(GrammarCompileReq("b", regex)) is None
+        resp = collect(svc, {"b"})["b"]
+        assert resp.source == "disk" and resp.error is None and svc.stats["disk_hits"] == 1
+        m = svc.matchers["b"]
+        assert all(m.accept_token(t) for t in tokenizer.encode("ab-123.io", add_special_tokens=False))
+        assert m.can_terminate()
+    finally:
+        svc.close()
+
+
+def test_disk_cache_keys_and_damaged_entries(tokenizer, tmp_path):
+    b = create_backend("outlines", tokenizer, len(tokenizer), [EOS], GrammarOptions())
+    other = create_backend("outlines", tokenizer, len(tokenizer), [EOS], GrammarOptions(max_whitespace=0))
+    assert backend_fingerprint(b) != backend_fingerprint(other)  # options are part of the key
+    cache = DiskCache(str(tmp_path), backend_fingerprint(b))
+    assert cache.path("regex", "a+") != cache.path("regex", "a*") != cache.path("ebnf", "a+")
+    cache.store("regex", "a+", {"x": 1})
+    assert cache.load("regex", "a+") == {"x": 1}
+    cache.path("regex", "a+").write_bytes(b"not a pickle")
+    assert cache.load("regex", "a+") is None and not cache.path("regex", "a+").exists()
+    small = DiskCache(str(tmp_path), "f", max_bytes=3000)
+    for i in range(10):
+        small.store("regex", str(i), b"x" * 1000)
+    assert sum(p.stat().st_size for p in tmp_path.glob("*.pkl")) <= 3000
+
+
+def test_histogram_quantiles():
+    h = Histogram()
+    assert h.report()["p50_ms"] is None
+    for v in [0.3] * 90 + [40.0] * 9 + [7000.0]:
+        h.observe(v)
+    r = h.report()
+    assert r["count"] == 100 and r["p50_ms"] == 0.5 and r["p90_ms"] == 0.5 and r["p99_ms"] == 50
+    assert r["max_ms"] == 7000.0 and r["buckets_ms"] == {"<= 0.5": 90, "<= 50": 9, "<= 10000": 1}
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_llguidance_strict_json_closes_declared_objects(tokenizer, strict):
+    b = create_backend("llguidance", tokenizer, len(tokenizer), [EOS], GrammarOptions(strict_json=strict))
+    compiled = b.compile(
+        GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
+    )
+    m = b.matcher(compiled)
+    extra = tokenizer.encode('{"a": 1, "b"', add_special_tokens=False)
+    assert all(m.accept_token(t) for t in extra) is not strict
+
+
+def test_llguidance_regex_digits_are_ascii(tokenizer):
+    """Rust's \\d is any Unicode digit; a regex's \\d must give 0-9 (as JSON Schema patterns and xgrammar do)."""
+    b = create_backend("llguidance", tokenizer, len(tokenizer), [EOS], GrammarOptions())
+    for pattern, good, bad in [(r"\d{3}", "123", "١٢٣"), (r"[\w-]+", "a_b-1", "é"), (r"\\d", "\\d", "1")]:
+        compiled = b.compile(GrammarSpec("regex", pattern))
+        for text, ok in ((good, True), (bad, False)):
+            m = b.matcher(compiled)
+            accepted = all(m.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
+            assert (accepted and m.can_terminate()) is ok, (pattern, text)
