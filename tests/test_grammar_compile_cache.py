@@ -145,6 +145,26 @@ def test_auto_measures_the_next_backend_in_the_background_when_the_first_is_expe
         svc.close()
 
 
+def test_a_burst_of_new_grammars_is_served_unmeasured(tokenizer):
+    """Many distinct grammars at once: past PROBE_QUEUE_LIMIT waiting compiles, auto serves with llguidance
+    without probing fills, so the queue drains at compile speed; every request is answered."""
+    from gramserve.grammar.service import PROBE_QUEUE_LIMIT
+
+    svc = make_service(tokenizer, compile_threads=1)
+    try:
+        n = PROBE_QUEUE_LIMIT + 8
+        for i in range(n):
+            schema = {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLength": 10 + i}}}
+            assert svc.submit(GrammarCompileReq(f"r{i}", GrammarRequest("json_schema", json.dumps(schema)))) is None
+        got = collect(svc, {f"r{i}" for i in range(n)})
+        assert {r.backend for r in got.values()} == {"llguidance"} and svc.stats["compiled"] == n
+        assert sum(not r.fill_probe_us for r in got.values()) >= n - PROBE_QUEUE_LIMIT - 1, [
+            r.fill_probe_us for r in got.values()
+        ]
+    finally:
+        svc.close()
+
+
 def test_disk_cache_survives_a_restart(tokenizer, tmp_path):
     """outlines-core compiles in worker processes that store what they compile; a new service loads it."""
     regex = GrammarRequest("regex", r"[a-z]{2,6}-[0-9]{3,5}(\.[a-z]{2,4}){1,3}", backend="outlines")

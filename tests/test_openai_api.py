@@ -420,3 +420,19 @@ def test_server_info(base_url):
     assert info["runner"]["architecture"] == "LlamaForCausalLM"
     assert info["kv_pool"]["total_slots"] > 8192
     assert info["server_args"]["port"] > 0
+
+
+def test_sse_events_survive_splitlines():
+    """U+2028/U+2029/U+0085 in generated text are escaped in stream events: clients that split the stream with
+    str.splitlines (httpx's aiter_lines) got half an event (a JSONDecodeError, seen in a GPU benchmark run)."""
+    from pydantic import BaseModel
+
+    from gramserve.server.streaming import sse
+
+    class Chunk(BaseModel):
+        text: str
+
+    for event in (sse(Chunk(text="a\u2028b\x85c\u2029d é")), sse({"text": "a\u2028b"})):
+        data_line, blank = event.splitlines()
+        assert blank == "" and data_line.startswith("data: ")
+        assert json.loads(data_line[6:])["text"].startswith("a\u2028b")

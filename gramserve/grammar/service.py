@@ -58,6 +58,9 @@ SWITCH_MARGIN = 0.75
 # Challengers run one at a time on their own thread, never ahead of compiles that requests wait for; when many new
 # grammars arrive at once, the ones past this many waiting are not challenged.
 MAX_CHALLENGERS = 8
+# A burst of new grammars (every request its own schema) is served with the first backend unmeasured: each probe
+# costs a few ms of a compile thread, and the requests queued behind it would wait for all of them.
+PROBE_QUEUE_LIMIT = 4
 
 
 @dataclass
@@ -233,8 +236,8 @@ class GrammarService:
             f.probes[incumbent] = round(
                 probe_fill_us(self.backend(incumbent), incumbent_compiled, LONG_PROBE_STEPS, LONG_PROBE_MS), 2
             )
-        elif f.auto and self._others_left(f):  # a quick look: is the first choice cheap enough to stop at?
-            fill_us = probe_fill_us(b, compiled)
+        elif f.auto and self._others_left(f) and self._waiting_compiles() <= PROBE_QUEUE_LIMIT:
+            fill_us = probe_fill_us(b, compiled)  # a quick look: is the first choice cheap enough to stop at?
         return CompileResult(compiled, "compiled", fill_us)
 
     def _in_process(self, backend: str) -> bool:
@@ -360,6 +363,10 @@ class GrammarService:
         others = [b for b in f.candidates if b not in PROCESS_BACKENDS]
         challenger = _Flight(key, f.grammar, others, probes=dict(f.probes), best=f.best, challenger=True)
         self._try_next(challenger)  # a cache hit ends it at once; nothing waits for its answers
+
+    def _waiting_compiles(self) -> int:
+        """Compiles in flight that requests wait for (read from compile threads: a racy count is good enough)."""
+        return sum(not f.challenger for f in list(self.pending.values()))
 
     @staticmethod
     def _others_left(f: _Flight) -> bool:

@@ -9,8 +9,15 @@ from typing import Any, AsyncIterator
 SSE_DONE = "data: [DONE]\n\n"
 
 
+# JSON lets these stay unescaped, but clients that split the stream with str.splitlines (httpx's aiter_lines, which
+# the benchmarks and many scripts use) end the line there and get half an event.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: Any) -> str:
     body = data.model_dump_json(exclude_none=False) if hasattr(data, "model_dump_json") else json.dumps(data)
+    if not body.isascii():
+        body = body.translate(_LINE_BREAKS)  # only inside JSON strings: the characters never occur elsewhere
     return f"data: {body}\n\n"
 
 
