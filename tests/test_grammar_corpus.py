@@ -504,7 +504,7 @@ def test_random_walks_over_suite_schemas_stay_valid(tokenizer, name):
     row = bitmask[0].numpy()
     for i, schema in enumerate(BOUNDED_SCHEMAS):
         if unenforced(name, json.dumps(schema)):
-            continue  # the service refuses this pair (outlines and integer bounds)
+            continue  # the service refuses this pair (outlines and numeric bounds)
         compiled = b.compile(GrammarSpec("json_schema", json.dumps(schema)))
         finished = 0
         for seed in range(12):
@@ -529,6 +529,82 @@ def test_random_walks_over_suite_schemas_stay_valid(tokenizer, name):
     m.fill_bitmask(bitmask, 0)
     allowed = allowed_ids(bitmask, len(tokenizer)).tolist()
     assert allowed and not [t for t in allowed if any(ord(c) < 0x20 for c in tokenizer.decode([t]))]
+
+
+# (schema, an instance it forbids) pairs that some backend compiled and then let through (probed on 2026-11-25; the
+# first came from a GPU run over corpus schemas: an if/then/else schema served by outlines lost a required property).
+UNENFORCED_CASES = {
+    "if_then_else": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"enum": ["abc", "ghi"]}},
+            "if": {"properties": {"c": {"enum": ["ghi"]}}},
+            "then": {"required": ["a", "b", "c"]},
+            "else": {"required": ["a", "c"]},
+        },
+        {"b": 5, "c": "ghi"},
+    ),
+    "number_minimum": ({"type": "number", "minimum": 5}, 4),
+    "number_exclusive_maximum": ({"type": "number", "exclusiveMaximum": 5}, 5),
+    "min_properties": ({"type": "object", "minProperties": 2}, {"a": 1}),
+    "dependent_schemas": (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "dependentSchemas": {"a": {"required": ["b"]}}},
+        {"a": 1},
+    ),
+    "min_contains": ({"type": "array", "contains": {"const": 1}, "minContains": 2}, [1]),
+    "any_of_beside_properties": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a"],
+            "anyOf": [{"required": ["b"]}, {"required": ["c"]}],
+        },
+        {"a": 1},
+    ),
+    "pattern_min_length": ({"type": "string", "pattern": "^[a-z]+$", "minLength": 5}, "ab"),
+    "pattern_max_length": ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "abcdef"),
+    "format_max_length": ({"type": "string", "format": "email", "maxLength": 8}, "abcdefgh@x.com"),
+    "lookahead_pattern": ({"type": "string", "pattern": "^(?=.*\\d)[a-z0-9]{4}$"}, "abcd"),
+    "unique_items": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1]),
+    "all_of_enums": ({"type": "integer", "allOf": [{"enum": [1, 2, 8]}, {"enum": [8, 9]}]}, 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNENFORCED_CASES))
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_service_compile_refuses_or_enforces(tokenizer, name, case):
+    """Through the service's compile (the schema audit, then the backend): a schema is refused, or the instance it
+    forbids is rejected, in both JSON spacings. Never compiled and silently not enforced."""
+    from gramserve.grammar.compile_process import compile_grammar
+    from gramserve.messages import GrammarRequest
+
+    schema, instance = UNENFORCED_CASES[case]
+    b = get_backend(tokenizer, name)
+    try:
+        compiled = compile_grammar(b, GrammarRequest(kind="json_schema", text=json.dumps(schema), backend=name))
+    except GrammarCompileError:
+        return
+    for text in (json.dumps(instance), json.dumps(instance, separators=(",", ":"))):
+        assert not accepts(b, compiled, text, tokenizer, check_mask=False), text
+
+
+@pytest.mark.parametrize("pattern", ["(?=a)[a-z]", "^(?=.*\\d)[a-z0-9]{4}$", "(?<!x)y", "(a)\\1"])
+@pytest.mark.parametrize("name", BACKEND_NAMES)
+def test_regex_beyond_regular_is_refused(tokenizer, name, pattern):
+    from gramserve.grammar.compile_process import compile_grammar
+    from gramserve.messages import GrammarRequest
+
+    with pytest.raises(GrammarCompileError):
+        compile_grammar(get_backend(tokenizer, name), GrammarRequest(kind="regex", text=pattern, backend=name))
+
+
+def test_beyond_regular_reads_escapes_and_classes():
+    from gramserve.grammar.schema_audit import beyond_regular
+
+    assert beyond_regular("^(?=.*\\d)x") and beyond_regular("(?<=a)b") and beyond_regular("(?<n>a)\\k<n>")
+    assert not beyond_regular("a\\(?=b")  # an escaped parenthesis
+    assert beyond_regular("a\\\\(?=b")  # an escaped backslash, then a lookahead
+    assert not any(beyond_regular(p) for p in ["[(?=]", "(?:ab)", "(?P<n>a)", "\\d{1,3}", "[\\]\\1]"])
 
 
 def test_rejected_token_leaves_state_unchanged(backend, tokenizer):

@@ -38,7 +38,7 @@ from pathlib import Path
 from gramserve.grammar.backends import create_backend
 from gramserve.grammar.backends.base import GrammarBackend, GrammarCompileError, GrammarOptions, GrammarSpec
 from gramserve.grammar.disk_cache import PERSISTED_BACKENDS, DiskCache, backend_fingerprint
-from gramserve.grammar.schema_audit import unenforced
+from gramserve.grammar.schema_audit import beyond_regular, unenforced
 from gramserve.messages import GrammarRequest
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ def compile_grammar(backend: GrammarBackend, grammar: GrammarRequest) -> object:
         gaps = unenforced(backend.name, grammar.text)
         if gaps:
             raise GrammarCompileError(f"the schema uses {', '.join(gaps)}, which {backend.name} does not enforce")
+    elif grammar.kind == "regex" and beyond_regular(grammar.text):
+        raise GrammarCompileError(f"{backend.name} cannot enforce lookaround or backreferences in a regex")
     return backend.compile(GrammarSpec(grammar.kind, grammar.text))
 
 

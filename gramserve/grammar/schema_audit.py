@@ -28,16 +28,27 @@ XGRAMMAR_UNENFORCED = {
     "unevaluatedItems",
 }
 
-# outlines-core 0.2.14 compiles these into its regex without enforcing them.
+# outlines-core 0.2.14 compiles these into its regex without enforcing them (if/then/else, dependentSchemas,
+# minContains and minProperties: probed 2026-11-25 after a GPU run gave an output missing a required property of an
+# if/then/else schema).
 OUTLINES_UNENFORCED = {
     "multipleOf",
     "contains",
+    "minContains",
+    "maxContains",
     "not",
+    "if",
+    "then",
+    "else",
     "propertyNames",
     "dependentRequired",
+    "dependentSchemas",
     "dependencies",
+    "minProperties",
     "maxProperties",
 }
+_NUMERIC_BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
+_LENGTH_BOUNDS = {"minLength", "maxLength"}
 
 _TYPE_CHECKS = {
     "string": lambda v: isinstance(v, str),
@@ -147,13 +158,10 @@ def unenforced(backend: str, schema_text: str) -> list[str]:
             found |= OUTLINES_UNENFORCED & node.keys()
             if node.get("uniqueItems") is True:
                 found.add("uniqueItems")
-            if node.get("type") == "integer" and node.keys() & {
-                "minimum",
-                "maximum",
-                "exclusiveMinimum",
-                "exclusiveMaximum",
-            }:
-                found.add("integer bounds")
+            if node.keys() & _NUMERIC_BOUNDS:  # integers and numbers alike (a number with minimum 5 took 4)
+                found.add("numeric bounds")
+            if ("anyOf" in node or "oneOf" in node) and _ASSERTIONS & node.keys():
+                found.add("anyOf/oneOf next to other keywords")
         if backend != "xgrammar":
             continue  # llguidance rejects at compile time what it cannot enforce
         found |= XGRAMMAR_UNENFORCED & node.keys()
@@ -163,4 +171,36 @@ def unenforced(backend: str, schema_text: str) -> list[str]:
             found.add("enum/const values outside the declared type")
         if ("anyOf" in node or "oneOf" in node) and _ASSERTIONS & node.keys():
             found.add("anyOf/oneOf next to other keywords")
+        # xgrammar 0.2.8 warns "pattern combined with minLength/maxLength is not supported" and drops the lengths
+        # (a pattern with minLength 10000 gave 8 characters); format strings lose them the same way, silently.
+        if ("pattern" in node or "format" in node) and node.keys() & _LENGTH_BOUNDS:
+            found.add("minLength/maxLength next to pattern or format")
+        if isinstance(node.get("pattern"), str) and beyond_regular(node["pattern"]):
+            found.add("lookaround or backreferences in a pattern")
     return sorted(found)
+
+
+def beyond_regular(pattern: str) -> bool:
+    """Does the regex use lookaround or backreferences? xgrammar's regex conversion drops them (a pattern
+    ``^(?=.*\\d)[a-z0-9]{4}$`` let "abcd" through); a regular automaton cannot enforce them at all."""
+    i, n, in_class = 0, len(pattern), False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            nxt = pattern[i + 1 : i + 2]
+            if not in_class and nxt != "" and nxt in "123456789k":
+                return True
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "]":  # a leading "]" is a literal
+                i += 1
+        elif c == "(" and pattern[i + 1 : i + 2] == "?":
+            rest = pattern[i + 2 : i + 4]
+            if rest[:1] in ("=", "!") or rest in ("<=", "<!"):
+                return True
+        i += 1
+    return False
