@@ -393,3 +393,36 @@ def test_mixed_constrained_and_plain_traffic(make_async_client, model_name, base
             jsonschema.validate(json.loads(choice.message.content), schema)
     assert sum(c.finish_reason == "stop" for c in results[:8]) >= 6
     assert all(c.finish_reason == "length" and c.text for c in results[8:])
+
+
+def test_last_check_reports_an_output_that_breaks_its_schema(client, model_name, base_url, tokenizer):
+    """An output that ends on a token the client listed in stop_token_ids, inside the JSON, is not valid: it comes
+    back with finish_reason invalid_output (never "stop"), and /get_server_info counts it. Outputs that end on EOS
+    are checked and counted as valid."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    response_format = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    messages = [{"role": "user", "content": "A person as JSON."}]
+    before = httpx.get(base_url + "/get_server_info", timeout=30).json()["output_checks"]
+    ok = client.chat.completions.create(
+        model=model_name, messages=messages, max_tokens=60, temperature=0, response_format=response_format
+    )
+    assert ok.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(ok.choices[0].message.content), schema)
+    # Every token that can open the object stops the request at once: the text cannot be valid JSON.
+    openers = [i for i in range(len(tokenizer)) if tokenizer.decode([i]).lstrip().startswith("{")]
+    cut = client.chat.completions.create(
+        model=model_name,
+        messages=messages,
+        max_tokens=60,
+        temperature=0,
+        response_format=response_format,
+        extra_body={"stop_token_ids": openers},
+    )
+    assert cut.choices[0].finish_reason == "invalid_output", cut
+    after = httpx.get(base_url + "/get_server_info", timeout=30).json()["output_checks"]
+    assert after["checked"] >= before["checked"] + 1
+    assert after["invalid"] == before["invalid"] + 1

@@ -27,6 +27,7 @@ def admin_router(config: ServerConfig, tm: TokenizerManager) -> APIRouter:
                 "settings": config.settings.to_dict(),
                 "launch": config.launch.to_dict(),
                 "model_name": config.args.model_name,
+                "output_checks": dict(tm.output_checker.stats),
                 **info,
             }
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import zmq
@@ -31,6 +31,7 @@ from gramserve.messages import (
 )
 from gramserve.sampling.params import SamplingParams
 from gramserve.server.errors import ClientDisconnectedError, EngineError, InvalidRequestError, ServerBusyError
+from gramserve.server.output_check import OutputChecker
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ class TokenizerManager:
         self.states: dict[str, _ReqState] = {}
         self.control_waiters: dict[str, asyncio.Future] = {}
         self._recv_task: asyncio.Task | None = None
+        self.output_checker = OutputChecker()
 
     def start(self) -> None:
         if self._recv_task is None:
@@ -138,6 +140,8 @@ class TokenizerManager:
         )
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_CHECK_S
+        checked = self.output_checker.applies(grammar)
+        text: list[str] = []  # the output so far, for the last check (checked requests only)
         try:
             while True:
                 try:
@@ -161,6 +165,10 @@ class TokenizerManager:
                     if fin.status_code == 503:
                         raise ServerBusyError(fin.message or "server busy")
                     raise EngineError(fin.message or "internal error")
+                if checked:
+                    text.append(out.text)
+                    if fin is not None and fin.type == "stop" and not isinstance(fin.matched, str):
+                        out = await self._last_check(rid, grammar, "".join(text), out)
                 yield out
                 if out.finished is not None:
                     state.finished = True
@@ -169,6 +177,14 @@ class TokenizerManager:
             self.states.pop(rid, None)
             if not state.finished:
                 self.to_scheduler.send_pyobj(AbortReq(rid))
+
+    async def _last_check(self, rid: str, grammar: GrammarRequest, text: str, out: GenerateOutput) -> GenerateOutput:
+        """The output ended on its own: if it breaks its schema, it ends as ``invalid_output`` (output_check.py)."""
+        result = await self.output_checker.check(grammar, text)
+        if result.error is None:
+            return out
+        logger.warning("request %s: constrained output failed the last check: %s", rid, result.error)
+        return replace(out, finished=FinishReason("invalid_output", message=result.error))
 
     async def abort(self, rid: str) -> bool:
         if rid not in self.states:

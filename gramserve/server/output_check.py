@@ -1,0 +1,124 @@
+"""The last check of a constrained output: does the finished text validate against the request's schema?
+
+The grammar backends make outputs valid by construction; this check is the guarantee behind them. A request whose
+JSON schema (or json_object) constraint ran from the first output token and that ended on its own (EOS, not a
+stop string the client asked for, not max_tokens) has its whole text validated with `jsonschema` (the draft its
+`$schema` names, Draft 2020-12 otherwise; formats checked). A failure is never reported as a success: the
+TokenizerManager ends the request with finish_reason ``invalid_output`` and the validation message, and the count
+shows in /get_server_info (``output_checks``).
+
+Validation runs on a thread of its own pool with a time bound, so a costly schema cannot stall the event loop, and
+`pattern` is matched with the `regex` module under a time limit (Python's `re` would backtrack for hours on
+``^(a|aa)+$``, holding the thread). An output whose check runs past its bound, or whose schema cannot be checked (a
+`$ref` that does not resolve, a schema the validator refuses), counts as unchecked and is returned as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import jsonschema
+import regex
+from jsonschema.exceptions import ValidationError
+
+from gramserve.messages import GrammarRequest
+
+logger = logging.getLogger(__name__)
+
+CHECK_TIMEOUT_S = 2.0
+PATTERN_TIMEOUT_S = 0.5
+CHECK_THREADS = 2
+VALIDATOR_CACHE = 256
+CHECKED_KINDS = ("json_schema", "json_object")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """Valid (``error`` None), invalid (``error`` says why), or not checked (``checked`` False)."""
+
+    checked: bool
+    error: str | None = None
+
+
+class _Unchecked(Exception):
+    """A pattern took too long to match: the output cannot be checked."""
+
+
+def _pattern_keyword(validator, pattern, instance, schema):
+    """jsonschema's `pattern` with the `regex` module and a time limit instead of `re`."""
+    if not validator.is_type(instance, "string"):
+        return
+    try:
+        found = regex.search(pattern, instance, timeout=PATTERN_TIMEOUT_S)
+    except TimeoutError:
+        raise _Unchecked(pattern) from None
+    if found is None:
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+class OutputChecker:
+    def __init__(self, timeout_s: float = CHECK_TIMEOUT_S):
+        self.timeout_s = timeout_s
+        self._validators: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()  # checks run on worker threads
+        self._pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="output-check")
+        self.stats = {"checked": 0, "invalid": 0, "unchecked": 0}
+
+    @staticmethod
+    def applies(grammar: GrammarRequest | None) -> bool:
+        """Is this constraint's output checked? Only whole-output JSON constraints (not after reasoning)."""
+        return grammar is not None and grammar.kind in CHECKED_KINDS and not grammar.start_after
+
+    async def check(self, grammar: GrammarRequest, text: str) -> CheckResult:
+        try:
+            work = asyncio.get_running_loop().run_in_executor(self._pool, self.check_now, grammar, text)
+            result = await asyncio.wait_for(work, self.timeout_s)
+        except asyncio.TimeoutError:
+            result = CheckResult(False, None)
+        self.stats["unchecked" if not result.checked else "invalid" if result.error else "checked"] += 1
+        return result
+
+    def check_now(self, grammar: GrammarRequest, text: str) -> CheckResult:
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            return CheckResult(True, f"the output is not JSON: {exc}")
+        if grammar.kind == "json_object":
+            return CheckResult(True, None if isinstance(value, dict) else "the output is not a JSON object")
+        validator = self._validator(grammar.text)
+        if validator is None:
+            return CheckResult(False)
+        try:
+            error = next(iter(validator.iter_errors(value)), None)
+        except Exception:  # noqa: BLE001 - unresolvable $ref and the like: the schema cannot be checked here
+            return CheckResult(False)
+        if error is None:
+            return CheckResult(True)
+        where = "/".join(str(p) for p in error.absolute_path)
+        return CheckResult(True, f"the output does not validate against the schema at /{where}: {error.message[:300]}")
+
+    def _validator(self, schema_text: str):
+        with self._lock:
+            validator = self._validators.get(schema_text)
+            if validator is not None:
+                self._validators.move_to_end(schema_text)
+                return validator
+        try:
+            schema = json.loads(schema_text)
+            cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+            cls.check_schema(schema)
+            cls = jsonschema.validators.extend(cls, {"pattern": _pattern_keyword})
+            validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+        except Exception:  # noqa: BLE001 - the backends accepted it; the validator does not: leave it unchecked
+            return None
+        with self._lock:
+            self._validators[schema_text] = validator
+            while len(self._validators) > VALIDATOR_CACHE:
+                self._validators.popitem(last=False)
+        return validator

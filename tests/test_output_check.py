@@ -1,0 +1,78 @@
+"""The last check of constrained outputs (server/output_check.py): real jsonschema validation, no model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from gramserve.messages import GrammarRequest
+from gramserve.server.output_check import OutputChecker
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 5}, "when": {"type": "string", "format": "date"}},
+    "required": ["name"],
+    "additionalProperties": False,
+}
+
+
+def grammar(schema, kind: str = "json_schema", **kw) -> GrammarRequest:
+    return GrammarRequest(kind=kind, text=json.dumps(schema), **kw)
+
+
+def test_valid_invalid_and_not_json():
+    c = OutputChecker()
+    g = grammar(SCHEMA)
+    assert c.check_now(g, '{"name": "Ada", "when": "2024-02-29"}').error is None
+    bad = c.check_now(g, '{"name": "Adalbert"}')
+    assert bad.checked and "/name" in bad.error and "long" in bad.error
+    assert "not JSON" in c.check_now(g, '{"name": "Ada"').error
+    assert "additional" in c.check_now(g, '{"name": "A", "x": 1}').error.lower()
+
+
+def test_formats_are_checked():
+    c = OutputChecker()
+    assert "date" in c.check_now(grammar(SCHEMA), '{"name": "A", "when": "2024-02-30"}').error
+
+
+def test_the_draft_named_by_the_schema_is_used():
+    # Draft 4's exclusiveMaximum is a boolean; read as 2020-12 the schema itself would be invalid.
+    schema = {
+        "$schema": "http://json-schema.org/draft-04/schema#",
+        "type": "integer",
+        "maximum": 5,
+        "exclusiveMaximum": True,
+    }
+    c = OutputChecker()
+    assert c.check_now(grammar(schema), "4").error is None
+    assert c.check_now(grammar(schema), "5").error is not None
+
+
+def test_json_object_and_unresolvable_refs():
+    c = OutputChecker()
+    assert c.check_now(GrammarRequest(kind="json_object", text=""), "[1]").error
+    assert c.check_now(GrammarRequest(kind="json_object", text=""), '{"a": [1]}').error is None
+    remote = {"type": "object", "properties": {"a": {"$ref": "http://example.com/a.json"}}}
+    result = c.check_now(grammar(remote), '{"a": 1}')
+    assert not result.checked  # never fetched: unchecked, not failed
+
+
+def test_applies_only_to_whole_output_json_constraints():
+    assert OutputChecker.applies(grammar(SCHEMA))
+    assert OutputChecker.applies(GrammarRequest(kind="json_object", text=""))
+    assert not OutputChecker.applies(None)
+    assert not OutputChecker.applies(GrammarRequest(kind="regex", text="a+"))
+    assert not OutputChecker.applies(grammar(SCHEMA, start_after="</think>"))
+
+
+def test_a_slow_check_is_left_unchecked_and_counted():
+    # A pattern that backtracks exponentially: the regex module gives up at its time limit, the output is unchecked.
+    schema = {"type": "string", "pattern": "^(a|aa)+$"}
+    c = OutputChecker()
+    result = asyncio.run(c.check(grammar(schema), json.dumps("a" * 40 + "!")))
+    assert not result.checked and c.stats["unchecked"] == 1
+    assert c.check_now(grammar(schema), json.dumps("aaa")).error is None
+    assert c.check_now(grammar(schema), json.dumps("ab")).error
+    asyncio.run(c.check(grammar(SCHEMA), '{"name": "Adalbert"}'))
+    asyncio.run(c.check(grammar(SCHEMA), '{"name": "Ada"}'))
+    assert c.stats == {"checked": 1, "invalid": 1, "unchecked": 1}
