@@ -567,6 +567,12 @@ UNENFORCED_CASES = {
     "lookahead_pattern": ({"type": "string", "pattern": "^(?=.*\\d)[a-z0-9]{4}$"}, "abcd"),
     "unique_items": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [1, 1]),
     "all_of_enums": ({"type": "integer", "allOf": [{"enum": [1, 2, 8]}, {"enum": [8, 9]}]}, 1),
+    # outlines-core concatenated the two enums: `[5][5]`
+    "all_of_array_enums": ({"type": "array", "allOf": [{"enum": [[1], [5]]}, {"enum": [[5], [1, 2]]}]}, [1]),
+    "pattern_min_length_pairs": ({"type": "string", "pattern": "^([a-z][0-9])+$", "minLength": 12}, "a1b2"),
+    # never fetched; xgrammar made it "any JSON"
+    "remote_ref": ({"type": "object", "properties": {"a": {"$ref": "http://example.com/a.json"}}}, {"a": [1]}),
+    "file_ref": ({"type": "object", "properties": {"a": {"$ref": "file:///etc/passwd"}}}, {"a": "x"}),
 }
 
 

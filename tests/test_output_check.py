@@ -30,6 +30,13 @@ def test_valid_invalid_and_not_json():
     assert "additional" in c.check_now(g, '{"name": "A", "x": 1}').error.lower()
 
 
+def test_numbers_are_read_as_decimals():
+    schema = {"type": "number", "multipleOf": 0.01, "maximum": 10000.9}
+    c = OutputChecker()
+    assert c.check_now(grammar(schema), "10000.89").error is None  # 10000.89 / 0.01 is not whole in binary
+    assert c.check_now(grammar(schema), "10000.891").error
+
+
 def test_formats_are_checked():
     c = OutputChecker()
     assert "date" in c.check_now(grammar(SCHEMA), '{"name": "A", "when": "2024-02-30"}').error

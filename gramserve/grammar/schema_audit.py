@@ -32,6 +32,7 @@ XGRAMMAR_UNENFORCED = {
 # minContains and minProperties: probed 2026-11-25 after a GPU run gave an output missing a required property of an
 # if/then/else schema).
 OUTLINES_UNENFORCED = {
+    "allOf",  # concatenated: an allOf of two enums of arrays gave `[5][5]`
     "multipleOf",
     "contains",
     "minContains",
@@ -158,6 +159,8 @@ def unenforced(backend: str, schema_text: str) -> list[str]:
             found |= OUTLINES_UNENFORCED & node.keys()
             if node.get("uniqueItems") is True:
                 found.add("uniqueItems")
+            if ("pattern" in node or "format" in node) and node.keys() & _LENGTH_BOUNDS:
+                found.add("minLength/maxLength next to pattern or format")  # walks left the pattern entirely
             if node.keys() & _NUMERIC_BOUNDS:  # integers and numbers alike (a number with minimum 5 took 4)
                 found.add("numeric bounds")
             if ("anyOf" in node or "oneOf" in node) and _ASSERTIONS & node.keys():
@@ -177,6 +180,9 @@ def unenforced(backend: str, schema_text: str) -> list[str]:
             found.add("minLength/maxLength next to pattern or format")
         if isinstance(node.get("pattern"), str) and beyond_regular(node["pattern"]):
             found.add("lookaround or backreferences in a pattern")
+        # References are never fetched; xgrammar compiles one it cannot resolve as "any JSON value".
+        if isinstance(node.get("$ref"), str) and not node["$ref"].startswith("#"):
+            found.add(f"a $ref outside the schema ({node['$ref'][:80]})")
     return sorted(found)
 
 

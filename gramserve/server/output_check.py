@@ -22,6 +22,7 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from decimal import Decimal
 
 import jsonschema
 import regex
@@ -86,7 +87,8 @@ class OutputChecker:
 
     def check_now(self, grammar: GrammarRequest, text: str) -> CheckResult:
         try:
-            value = json.loads(text)
+            # Decimals, not floats: 10000.89 is a multiple of 0.01 as JSON text, not as a binary float.
+            value = json.loads(text, parse_float=Decimal)
         except ValueError as exc:
             return CheckResult(True, f"the output is not JSON: {exc}")
         if grammar.kind == "json_object":
@@ -110,7 +112,7 @@ class OutputChecker:
                 self._validators.move_to_end(schema_text)
                 return validator
         try:
-            schema = json.loads(schema_text)
+            schema = json.loads(schema_text, parse_float=Decimal)
             cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
             cls.check_schema(schema)
             cls = jsonschema.validators.extend(cls, {"pattern": _pattern_keyword})
