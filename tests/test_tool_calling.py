@@ -219,6 +219,40 @@ def test_truncated_call_reports_length(client, model_name):
     )
     assert r.choices[0].finish_reason == "length"
     assert not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content is None  # the cut call is dropped, never returned as text
+
+
+PARIS = [{"role": "user", "content": "What's the weather in Paris?"}]
+
+
+def test_repeated_call_ends_the_turn(client, model_name):
+    """The default model repeats get_weather(Paris) until max_tokens when parallel calls are allowed: the repeat
+    ends the turn with the calls made so far (no duplicate, no cut call in the content), as with
+    parallel_tool_calls false."""
+    for stream in (False, True):
+        kwargs = dict(model=model_name, messages=PARIS, tools=[WEATHER], tool_choice="required", max_tokens=200)
+        if not stream:
+            choice = client.chat.completions.create(temperature=0, **kwargs).choices[0]
+            calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+            reason, content = choice.finish_reason, choice.message.content
+        else:
+            parts: dict[int, list[str]] = {}
+            reason, content = None, ""
+            for chunk in client.chat.completions.create(temperature=0, stream=True, **kwargs):
+                d = chunk.choices[0].delta
+                content += d.content or ""
+                for t in d.tool_calls or []:
+                    e = parts.setdefault(t.index, ["", ""])
+                    e[0] += t.function.name or ""
+                    e[1] += t.function.arguments or ""
+                reason = chunk.choices[0].finish_reason or reason
+            calls = [tuple(parts[i]) for i in sorted(parts)]
+        assert reason == "tool_calls", (stream, reason, calls)
+        assert not content
+        signatures = [(n, json.dumps(json.loads(a), sort_keys=True)) for n, a in calls]
+        assert calls and len(set(signatures)) == len(signatures), calls
+        for name, args in calls:
+            check_call(name, args)
 
 
 def test_history_with_tool_results(client, model_name):

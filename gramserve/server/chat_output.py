@@ -4,15 +4,23 @@ The text goes through the reasoning parser first (reasoning_content vs the rest)
 parser (content vs tool_calls). `ChoiceOutput.final` does it once for a whole text; `ChoiceStream.feed` does it
 incrementally and yields delta fields in the shape the OpenAI SDK accumulates: a call's first delta carries
 `index`, `id`, `type` and `function.name` (with `arguments: ""`), later ones `index` and argument fragments.
+
+Runaway calls: a small model asked for calls tends to repeat its first call until max_tokens. A call equal to one
+already made in the turn (same name, same arguments as JSON) ends the choice: it is dropped, the choice finishes as
+`tool_calls`, and the caller aborts its engine request (`ChoiceStream.repeated`). So that a repeat is never sent,
+streamed calls after the first are held back until their arguments are complete. A call cut by max_tokens (or an
+abort) is dropped, never returned as content.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 
 from gramserve.parsers.reasoning import ReasoningParser
 from gramserve.parsers.tool_calls import ToolCallParser
+from gramserve.parsers.tool_calls.base import ToolCall
 from gramserve.server import protocol as P
 from gramserve.server.tool_requests import ToolPlan
 
@@ -38,20 +46,41 @@ class ChoiceOutput:
     tool_calls: list[P.ToolCall] | None
 
 
-def final_output(text: str | None, plan: ToolPlan | None, reasoning: ReasoningParser | None) -> ChoiceOutput:
+def call_signature(call: ToolCall) -> tuple[str, str]:
+    """What makes two calls the same call: the name and the arguments as JSON (key order and spacing aside)."""
+    try:
+        return call.name, json.dumps(json.loads(call.arguments), sort_keys=True)
+    except ValueError:
+        return call.name, call.arguments
+
+
+def first_calls_until_repeat(calls: list[ToolCall]) -> list[ToolCall]:
+    """The calls up to (not including) the first one equal to an earlier call."""
+    seen: set[tuple[str, str]] = set()
+    for i, c in enumerate(calls):
+        sig = call_signature(c)
+        if sig in seen:
+            return calls[:i]
+        seen.add(sig)
+    return calls
+
+
+def final_output(
+    text: str | None, plan: ToolPlan | None, reasoning: ReasoningParser | None, cut: bool = False
+) -> ChoiceOutput:
+    """`cut`: the text was cut off (max_tokens, an abort), so a call cut in the middle is dropped."""
     reasoning_text = None
     if reasoning is not None:
         reasoning_text, content = reasoning.parse(text)
         text = content if content is not None or reasoning_text is None else None
     if plan is None or not plan.parses_calls or text is None:
         return ChoiceOutput(reasoning_text, text, None)
-    parsed = plan.new_parser().parse(text)
+    parsed = plan.new_parser().parse(text, cut=cut)
     calls = [
-        P.ToolCall(id=call_id(), function=P.FunctionCall(name=c.name, arguments=c.arguments)) for c in parsed.calls
+        P.ToolCall(id=call_id(), function=P.FunctionCall(name=c.name, arguments=c.arguments))
+        for c in first_calls_until_repeat(parsed.calls)
     ]
-    if not calls:
-        return ChoiceOutput(reasoning_text, text, None)
-    return ChoiceOutput(reasoning_text, parsed.content, calls)
+    return ChoiceOutput(reasoning_text, parsed.content, calls or None)
 
 
 @dataclass
@@ -79,43 +108,72 @@ class ChoiceStream:
         self.reasoning = reasoning
         self.tools: ToolCallParser | None = plan.new_parser() if plan is not None and plan.parses_calls else None
         self.calls_made = 0
+        self.repeated = False  # a call equal to an earlier one completed: the choice ends here
+        self._held: dict[int, list[P.DeltaToolCall]] = {}  # deltas of calls after the first, until complete
+        self._signatures: set[tuple[str, str]] = set()
+        self._checked = 0  # completed calls looked at
 
     def feed(self, text: str) -> DeltaFields:
         out = DeltaFields()
+        if self.repeated:
+            return out
         if self.reasoning is not None:
             out.reasoning_content, text = self.reasoning.feed(text)
         self._content(text, out, final=False)
         return out
 
-    def finish(self) -> DeltaFields:
+    def finish(self, cut: bool = False) -> DeltaFields:
+        """The end of the choice; `cut`: it was cut off (max_tokens, an abort)."""
         out = DeltaFields()
+        if self.repeated:
+            return out
         text = ""
         if self.reasoning is not None:
             out.reasoning_content, text = self.reasoning.finish()
-        self._content(text, out, final=True)
+        self._content(text, out, final=True, cut=cut)
+        self._held.clear()  # calls that never completed
         return out
 
-    def _content(self, text: str, out: DeltaFields, final: bool) -> None:
+    def _content(self, text: str, out: DeltaFields, final: bool, cut: bool = False) -> None:
         if self.tools is None:
             out.content += text
             return
         pieces = [self.tools.feed(text)] if text else []
         if final:
-            pieces.append(self.tools.finish())
+            pieces.append(self.tools.finish(cut=cut))
         for piece in pieces:
             out.content += piece.content
             for d in piece.calls:
                 if d.name is not None:
-                    self.calls_made += 1
-                    out.tool_calls.append(
-                        P.DeltaToolCall(
-                            index=d.index,
-                            id=call_id(),
-                            type="function",
-                            function=P.DeltaFunctionCall(name=d.name, arguments=d.arguments or ""),
-                        )
+                    delta = P.DeltaToolCall(
+                        index=d.index,
+                        id=call_id(),
+                        type="function",
+                        function=P.DeltaFunctionCall(name=d.name, arguments=d.arguments or ""),
                     )
                 elif d.arguments:
-                    out.tool_calls.append(
-                        P.DeltaToolCall(index=d.index, function=P.DeltaFunctionCall(arguments=d.arguments))
-                    )
+                    delta = P.DeltaToolCall(index=d.index, function=P.DeltaFunctionCall(arguments=d.arguments))
+                else:
+                    continue
+                if d.index == 0:  # the first call cannot repeat anything: it streams as it comes
+                    self.calls_made += d.name is not None
+                    out.tool_calls.append(delta)
+                else:
+                    self._held.setdefault(d.index, []).append(delta)
+        self._release(out)
+
+    def _release(self, out: DeltaFields) -> None:
+        """Send the held deltas of calls that completed, unless one repeats an earlier call."""
+        done = self.tools.completed_calls
+        while self._checked < len(done):
+            k = self._checked
+            self._checked += 1
+            sig = call_signature(done[k])
+            if sig in self._signatures:
+                self.repeated = True
+                self._held.clear()
+                return
+            self._signatures.add(sig)
+            held = self._held.pop(k, [])
+            self.calls_made += any(d.id is not None for d in held)
+            out.tool_calls += held

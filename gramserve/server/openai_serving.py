@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator
 
 from gramserve.config import ServerConfig
-from gramserve.messages import GrammarRequest, TokenLogprob
+from gramserve.messages import FinishReason, GrammarRequest, TokenLogprob
 from gramserve.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from gramserve.parsers.tool_calls import get_tool_call_parser
 from gramserve.sampling.params import SamplingParams
@@ -214,16 +214,28 @@ class OpenAIServing:
         texts = [""] * req.n
         lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
         finals: list[GenerateOutput | None] = [None] * req.n
+        # Watches each choice's calls as they come, to stop a choice that repeats a call (chat_output.py).
+        watchers = [ChoiceStream(setup.tools, setup.reasoning()) for _ in range(req.n)] if setup.tools else None
+        repeated = [False] * req.n
         async for i, out in self._merged(
             setup.input_ids, setup.params, req.n, rid, top, is_disconnected, setup.grammar, req.priority
         ):
+            if repeated[i]:
+                finals[i] = replace(out, finished=FinishReason("stop")) if out.finished is not None else finals[i]
+                continue
             texts[i] += out.text
             if out.logprobs:
                 lps[i] += out.logprobs
             finals[i] = out
+            if watchers is not None and out.finished is None and out.text:
+                watchers[i].feed(out.text)
+                if watchers[i].repeated:
+                    repeated[i] = True
+                    await self.tm.abort(f"{rid}-{i}")
         choices = []
         for i, out in enumerate(finals):
-            parsed = final_output(texts[i], setup.tools, setup.reasoning())
+            cut = repeated[i] or out.finish_reason in ("length", "abort")
+            parsed = final_output(texts[i], setup.tools, setup.reasoning(), cut=cut)
             choices.append(
                 P.ChatChoice(
                     index=i,
@@ -264,17 +276,24 @@ class OpenAIServing:
                         choices=[P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))],
                     )
                 )
+            ended = [False] * req.n  # a choice that repeated a call ends before its engine request does
             try:
                 async for i, out in merged:
+                    if ended[i]:
+                        continue
                     totals[i], prompt, cached = out.completion_tokens, out.prompt_tokens, out.cached_tokens
                     cs = choice_streams[i]
                     fields = cs.feed(out.text) if out.text else DeltaFields()
-                    if out.finished is not None:
-                        tail = cs.finish()
+                    base_reason = out.finish_reason
+                    if cs.repeated:
+                        ended[i], base_reason = True, "stop"
+                        await self.tm.abort(f"{rid}-{i}")
+                    elif out.finished is not None:
+                        tail = cs.finish(cut=base_reason in ("length", "abort"))
                         fields.reasoning_content += tail.reasoning_content
                         fields.content += tail.content
                         fields.tool_calls += tail.tool_calls
-                    if not fields and out.finished is None and not out.logprobs:
+                    if not fields and base_reason is None and not out.logprobs:
                         continue
                     choice = P.ChatStreamChoice(
                         index=i,
@@ -282,8 +301,8 @@ class OpenAIServing:
                         logprobs=P.ChatLogprobs(content=self._chat_logprobs(out.logprobs or []))
                         if top is not None
                         else None,
-                        finish_reason=finish_reason(out.finish_reason, setup.tools, cs.calls_made > 0),
-                        matched_stop=out.matched_stop,
+                        finish_reason=finish_reason(base_reason, setup.tools, cs.calls_made > 0),
+                        matched_stop=out.matched_stop if out.finished is not None else None,
                     )
                     usage = self._usage(prompt, totals[i], cached) if continuous else None
                     yield sse(P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[choice], usage=usage))

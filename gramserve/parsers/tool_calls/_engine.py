@@ -6,7 +6,10 @@ In streaming mode call names and argument prefixes are emitted as soon as the sn
 in transactional mode (one-shot ``parse``) a region's calls count only once it is done. An invalid
 region (nothing of it emitted yet) gives back its first character as text and scanning resumes
 after it. At the end of the text a partial region whose calls are all complete is accepted (a
-missing closing marker is forgiven); one with an incomplete call is invalid.
+missing closing marker is forgiven); one with an incomplete call is invalid, unless the text was cut (max_tokens,
+an abort): then the cut region, or a cut start marker, is dropped rather than given back as text.
+
+``completed`` lists the calls whose arguments are complete, in order, in both modes.
 """
 
 from __future__ import annotations
@@ -22,13 +25,13 @@ class Engine:
         self.text = ""
         self.pos = 0
         self.region: int | None = None
-        self.sent: list[list[int]] = []  # per call of the current region: [index, args chars sent]
+        self.sent: list[list[int]] = []  # per call of the current region: [index, args chars sent, done]
         self.n_calls = 0
         self.content = ContentEmitter()
         self.completed: list[ToolCall] = []
         self.finished = False
 
-    def run(self, delta: str, final: bool) -> StreamDelta:
+    def run(self, delta: str, final: bool, cut: bool = False) -> StreamDelta:
         if self.finished:
             return StreamDelta()
         self.text += delta
@@ -48,13 +51,19 @@ class Engine:
                 if not definite:
                     if not final:
                         break
+                    if cut:  # the text ends in the middle of a call marker
+                        self.pos = len(text)
+                        break
                     out.append(self.content.push(text[i]))
                     self.pos = i + 1
                     continue
                 self.region = i
                 self.sent = []
                 continue
-            r = self._read_region(final)
+            r = self._read_region(final, cut)
+            if r.status == "partial" and final:  # cut in the middle of a call: drop it
+                self.region, self.pos = None, len(text)
+                break
             if r.status == "done" or (r.status == "partial" and not self.transactional):
                 self._sync(r.calls, calls)
             if r.status == "partial":
@@ -72,7 +81,7 @@ class Engine:
             self.finished = True
         return StreamDelta(content="".join(out), calls=_merge(calls))
 
-    def _read_region(self, final: bool) -> Region:
+    def _read_region(self, final: bool, cut: bool = False) -> Region:
         try:
             r = self.p._parse_region(self.text, self.region)
         except Exception:  # noqa: BLE001 - a parser bug must not break the response
@@ -80,7 +89,7 @@ class Engine:
         if r.status == "partial" and final:
             if r.calls and all(c.done and c.name is not None for c in r.calls):
                 return Region("done", r.calls, len(self.text))
-            return Region("invalid", r.calls, r.end)
+            return r if cut else Region("invalid", r.calls, r.end)
         if r.status == "done" and not (r.calls and all(c.done and c.name is not None for c in r.calls)):
             return Region("invalid", r.calls, r.end)
         return r
@@ -90,15 +99,16 @@ class Engine:
             if k >= len(self.sent):
                 if snap.name is None:
                     return
-                self.sent.append([self.n_calls, 0])
+                self.sent.append([self.n_calls, 0, 0])
                 self.n_calls += 1
                 out.append(ToolCallDelta(index=self.sent[k][0], name=snap.name, arguments=""))
-                if self.transactional:
-                    self.completed.append(ToolCall(name=snap.name, arguments=snap.args))
-            index, n = self.sent[k]
+            index, n, done = self.sent[k]
             if len(snap.args) > n:
                 out.append(ToolCallDelta(index=index, arguments=snap.args[n:]))
                 self.sent[k][1] = len(snap.args)
+            if snap.done and not done and (self.transactional or snap.name is not None):
+                self.sent[k][2] = 1
+                self.completed.append(ToolCall(name=snap.name, arguments=snap.args))
 
 
 def _merge(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:

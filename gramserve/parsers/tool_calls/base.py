@@ -96,18 +96,24 @@ class ToolCallParser(ABC):
 
     # -- public API ------------------------------------------------------------------------------
 
-    def parse(self, text: str) -> ParseResult:
+    def parse(self, text: str, cut: bool = False) -> ParseResult:
+        """``cut``: the text was cut off (max_tokens, an abort): a call cut in the middle is dropped, not content."""
         from ._engine import Engine
 
         engine = Engine(self, transactional=True)
-        delta = engine.run(text, final=True)
+        delta = engine.run(text, final=True, cut=cut)
         return ParseResult(content=delta.content or None, calls=engine.completed)
 
     def feed(self, delta: str) -> StreamDelta:
         return self._stream.run(delta, final=False)
 
-    def finish(self) -> StreamDelta:
-        return self._stream.run("", final=True)
+    def finish(self, cut: bool = False) -> StreamDelta:
+        return self._stream.run("", final=True, cut=cut)
+
+    @property
+    def completed_calls(self) -> list[ToolCall]:
+        """The streamed calls whose arguments are complete so far, in order (their delta indexes)."""
+        return self._stream.completed
 
     def system_prompt(self) -> str:
         from ._prompt import system_prompt
