@@ -10,12 +10,12 @@ replaced, so later compiles never queue behind a runaway one.
 One compile per grammar: results are cached by (backend, kind, text), failures in a negative cache, and a
 request whose grammar is already compiling joins that compile (a *flight*) instead of starting another.
 
-`auto` picks the backend by measured cost: it compiles with the first backend of ``AUTO_ORDER`` that
-accepts the grammar (llguidance: about 1 ms), measures what its masks cost to fill (``fill_probe``) and serves
-the requests with it. Only if that cost is above ``SWITCH_FILL_US`` does it compile and measure the next
-backend too, in the background (a *challenger* flight that no request waits for), and later requests for the
-grammar get the cheaper of the two. The choice is cached per (kind, text). A step's mask rows are filled in
-batches per backend on ``fill_threads`` threads (see ``fill``).
+`auto` picks the backend by measured cost: it serves the requests with the first backend of ``AUTO_ORDER`` that
+accepts the grammar (llguidance: about 1 ms to compile) as soon as it compiles. Then, in the background (a
+*challenger* flight on a thread of its own that no request waits for), it measures what those masks cost to fill
+(``fill_probe``); only above ``SWITCH_FILL_US`` does it compile the next backend too and measure both over a long
+walk, and later requests for the grammar get the cheaper of the two. The choice is cached per (kind, text). A step's
+mask rows are filled in batches per backend on ``fill_threads`` threads (see ``fill``).
 """
 
 from __future__ import annotations
@@ -58,9 +58,6 @@ SWITCH_MARGIN = 0.75
 # Challengers run one at a time on their own thread, never ahead of compiles that requests wait for; when many new
 # grammars arrive at once, the ones past this many waiting are not challenged.
 MAX_CHALLENGERS = 8
-# A burst of new grammars (every request its own schema) is served with the first backend unmeasured: each probe
-# costs a few ms of a compile thread, and the requests queued behind it would wait for all of them.
-PROBE_QUEUE_LIMIT = 4
 
 
 @dataclass
@@ -227,17 +224,21 @@ class GrammarService:
 
     def _timed_compile(self, f: _Flight, backend: str, grammar: GrammarRequest) -> CompileResult:
         f.started = time.monotonic()  # the timeout counts from the start of the work, not from the queue
+        if not f.challenger:  # requests wait for this one: answer them as soon as it compiles
+            return CompileResult(compile_grammar(self.backend(backend), grammar), "compiled")
+        incumbent, incumbent_compiled = f.best
+        # A quick look first: is the backend serving it cheap enough to stop at?
+        quick_us = probe_fill_us(self.backend(incumbent), incumbent_compiled)
+        if quick_us <= SWITCH_FILL_US:
+            f.probes[incumbent] = round(quick_us, 2)
+            return CompileResult(None, "skipped")
         b = self.backend(backend)
         compiled = compile_grammar(b, grammar)
-        fill_us = None
-        if f.challenger:  # both measured over the same long walk: short ones miss the costly states deep inside
-            fill_us = probe_fill_us(b, compiled, steps=LONG_PROBE_STEPS, budget_ms=LONG_PROBE_MS)
-            incumbent, incumbent_compiled = f.best
-            f.probes[incumbent] = round(
-                probe_fill_us(self.backend(incumbent), incumbent_compiled, LONG_PROBE_STEPS, LONG_PROBE_MS), 2
-            )
-        elif f.auto and self._others_left(f) and self._waiting_compiles() <= PROBE_QUEUE_LIMIT:
-            fill_us = probe_fill_us(b, compiled)  # a quick look: is the first choice cheap enough to stop at?
+        # Both measured over the same long walk: short ones miss the costly states deep inside.
+        fill_us = probe_fill_us(b, compiled, steps=LONG_PROBE_STEPS, budget_ms=LONG_PROBE_MS)
+        f.probes[incumbent] = round(
+            probe_fill_us(self.backend(incumbent), incumbent_compiled, LONG_PROBE_STEPS, LONG_PROBE_MS), 2
+        )
         return CompileResult(compiled, "compiled", fill_us)
 
     def _in_process(self, backend: str) -> bool:
@@ -342,7 +343,9 @@ class GrammarService:
         return out
 
     def _compiled(self, f: _Flight, result: CompileResult) -> list[GrammarCompileResp]:
-        """A candidate compiled: cache it, then finish, or (auto, expensive masks) try the next backend too."""
+        """A candidate compiled: cache it and answer its requests; a new grammar under auto gets a challenger."""
+        if result.compiled is None:  # a challenger that found the incumbent cheap enough: nothing changes
+            return []
         self.cache.put((f.backend, f.grammar.kind, f.grammar.text), result.compiled)
         self.stats["disk_hits" if result.source == "disk" else "compiled"] += 1
         if result.fill_us is not None:
@@ -351,22 +354,19 @@ class GrammarService:
         if f.best is None or f.probes.get(f.backend, 0.0) < margin * f.probes.get(f.best[0], float("inf")):
             f.best = (f.backend, result.compiled)
         out = self._conclude(f, result.source)
-        if not f.challenger and result.fill_us is not None and result.fill_us > SWITCH_FILL_US and self._others_left(f):
+        if not f.challenger and f.auto and result.source == "compiled" and self._others_left(f):
             self._challenge(f)
         return out
 
     def _challenge(self, f: _Flight) -> None:
-        """Compile and measure the next backend in the background; `_finish` records the cheaper as the choice."""
+        """Measure the served backend's fills in the background and, if costly, compile and measure the next one;
+        `_finish` records the cheaper as the choice."""
         key = ("auto-challenger", f.grammar.kind, f.grammar.text)
         if key in self.pending or sum(p.challenger for p in self.pending.values()) >= MAX_CHALLENGERS:
             return
         others = [b for b in f.candidates if b not in PROCESS_BACKENDS]
         challenger = _Flight(key, f.grammar, others, probes=dict(f.probes), best=f.best, challenger=True)
         self._try_next(challenger)  # a cache hit ends it at once; nothing waits for its answers
-
-    def _waiting_compiles(self) -> int:
-        """Compiles in flight that requests wait for (read from compile threads: a racy count is good enough)."""
-        return sum(not f.challenger for f in list(self.pending.values()))
 
     @staticmethod
     def _others_left(f: _Flight) -> bool:
