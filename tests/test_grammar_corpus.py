@@ -594,6 +594,70 @@ def test_service_compile_refuses_or_enforces(tokenizer, name, case):
         assert not accepts(b, compiled, text, tokenizer, check_mask=False), text
 
 
+# `not` in the forms stated positively by schema_normalize.rewrite_not: (schema, instances it allows, forbids).
+NOT_CASES = {
+    "not_empty": (
+        {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"not": {}}}, "required": ["a"]},
+        [{"a": 1}],
+        [{"a": 1, "b": 2}, {"a": 1, "b": None}],
+    ),
+    "not_type": (
+        {"type": "object", "properties": {"a": {"not": {"type": ["string", "object", "array"]}}}, "required": ["a"]},
+        [{"a": 1}, {"a": None}, {"a": True}, {"a": 2.5}],
+        [{"a": "x"}, {"a": {}}, {"a": [1]}],
+    ),
+    "not_required_one": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "not": {"required": ["b"]},
+        },
+        [{"a": 1}, {}],
+        [{"a": 1, "b": 2}, {"b": 2}],
+    ),
+    "not_required_two": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a"],
+            "not": {"required": ["a", "b"]},
+        },
+        [{"a": 1}],
+        [{"a": 1, "b": 2}],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_CASES))
+def test_not_is_served_by_rewriting(tokenizer, case):
+    from gramserve.grammar.compile_process import compile_grammar
+    from gramserve.messages import GrammarRequest
+
+    schema, goods, bads = NOT_CASES[case]
+    b = get_backend(tokenizer, "llguidance")
+    compiled = compile_grammar(b, GrammarRequest(kind="json_schema", text=json.dumps(schema), backend="llguidance"))
+    for good in goods:
+        assert accepts(b, compiled, json.dumps(good), tokenizer, check_mask=False), good
+    for bad in bads:
+        assert not accepts(b, compiled, json.dumps(bad), tokenizer, check_mask=False), bad
+
+
+def test_not_forms_left_alone_are_still_refused(tokenizer):
+    from gramserve.grammar.compile_process import compile_grammar
+    from gramserve.grammar.schema_normalize import rewrite_not
+    from gramserve.messages import GrammarRequest
+
+    for schema in ({"type": "number", "not": {"type": "integer"}}, {"not": {"enum": [1, 2]}}):
+        assert rewrite_not(schema) == schema
+        for name in BACKEND_NAMES:
+            with pytest.raises(GrammarCompileError):
+                compile_grammar(
+                    get_backend(tokenizer, name),
+                    GrammarRequest(kind="json_schema", text=json.dumps(schema), backend=name),
+                )
+    assert rewrite_not({"not": {}}) is False and rewrite_not({"type": "integer", "not": {"type": "number"}}) is False
+
+
 @pytest.mark.parametrize("pattern", ["(?=a)[a-z]", "^(?=.*\\d)[a-z0-9]{4}$", "(?<!x)y", "(a)\\1"])
 @pytest.mark.parametrize("name", BACKEND_NAMES)
 def test_regex_beyond_regular_is_refused(tokenizer, name, pattern):

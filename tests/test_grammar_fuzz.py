@@ -31,6 +31,11 @@ CONCURRENCY = 16
 # One or more per keyword class that backends treat differently (see docs/structured-outputs.md).
 HARD_SCHEMAS: dict[str, dict] = {
     "not_type": {"type": "object", "properties": {"a": {"not": {"type": "string"}}}, "required": ["a"]},
+    "not_required": {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}, "c": {"not": {}}},
+        "not": {"required": ["a", "b"]},
+    },
     "one_of_disjoint": {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 5}]},
     "one_of_overlap": {"oneOf": [{"type": "integer"}, {"type": "number"}]},
     "all_of_enums": {"type": "integer", "allOf": [{"enum": [1, 2, 8]}, {"enum": [8, 9]}]},

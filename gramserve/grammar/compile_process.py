@@ -20,6 +20,7 @@ they exit when their parent goes away.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import socket
@@ -39,6 +40,7 @@ from gramserve.grammar.backends import create_backend
 from gramserve.grammar.backends.base import GrammarBackend, GrammarCompileError, GrammarOptions, GrammarSpec
 from gramserve.grammar.disk_cache import PERSISTED_BACKENDS, DiskCache, backend_fingerprint
 from gramserve.grammar.schema_audit import beyond_regular, unenforced
+from gramserve.grammar.schema_normalize import rewrite_not
 from gramserve.messages import GrammarRequest
 
 logger = logging.getLogger(__name__)
@@ -53,13 +55,27 @@ class CompileWorkerDied(RuntimeError):
 
 def compile_grammar(backend: GrammarBackend, grammar: GrammarRequest) -> object:
     """What a compile does on a thread or in a worker: the schema audit, then the backend's compile."""
+    text = grammar.text
     if grammar.kind == "json_schema":
-        gaps = unenforced(backend.name, grammar.text)
+        text = _with_not_rewritten(text)
+        gaps = unenforced(backend.name, text)
         if gaps:
             raise GrammarCompileError(f"the schema uses {', '.join(gaps)}, which {backend.name} does not enforce")
     elif grammar.kind == "regex" and beyond_regular(grammar.text):
         raise GrammarCompileError(f"{backend.name} cannot enforce lookaround or backreferences in a regex")
-    return backend.compile(GrammarSpec(grammar.kind, grammar.text))
+    return backend.compile(GrammarSpec(grammar.kind, text))
+
+
+def _with_not_rewritten(text: str) -> str:
+    """The schema text with `not` stated positively where it can be (schema_normalize.rewrite_not)."""
+    if '"not"' not in text:
+        return text
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return text  # the backend reports the syntax error
+    rewritten = rewrite_not(schema)
+    return text if rewritten is schema else json.dumps(rewritten)
 
 
 @dataclass

@@ -64,3 +64,75 @@ def close_objects(schema: Any) -> Any:
 
 
 _OPEN_KEYS = {"additionalProperties", "patternProperties", "unevaluatedProperties"}
+
+
+_ALL_TYPES = ("string", "number", "integer", "boolean", "null", "object", "array")
+_ANNOTATIONS = {"description", "title", "$comment", "examples", "default", "deprecated", "readOnly", "writeOnly"}
+_INSTANCE_KEYS = {"enum", "const", "default", "examples"}
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+
+
+def rewrite_not(schema: Any) -> Any:
+    """A copy of `schema` in which the forms of `not` that a grammar can state positively are so stated, exactly:
+
+    * ``not: {}`` (nothing validates) -> ``false``; ``not: false`` -> dropped;
+    * ``not: {type: T}`` -> ``type``: the other types (``integer`` goes with ``number``);
+    * ``not: {required: [a]}`` -> ``properties: {a: false}`` (a must be absent); ``not: {required: [a, b, ...]}``
+      -> ``anyOf`` of "a absent", "b absent", ... (when the node has no anyOf of its own).
+
+    Other forms stay as they are (the backends refuse them)."""
+    if not isinstance(schema, dict) or not any("not" in node for node in _subschemas(schema)):
+        return schema
+    return _rewrite(copy.deepcopy(schema))
+
+
+def _rewrite(node: Any) -> Any:
+    if not isinstance(node, dict):
+        return node
+    for key, value in node.items():
+        if key in _INSTANCE_KEYS:
+            continue
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            node[key] = {k: _rewrite(v) for k, v in value.items()}
+        elif isinstance(value, dict):
+            node[key] = _rewrite(value)
+        elif isinstance(value, list):
+            node[key] = [_rewrite(v) for v in value]
+    if "not" not in node:
+        return node
+    neg = node["not"]
+    if neg is False:
+        del node["not"]
+        return node
+    if neg is True or (isinstance(neg, dict) and not set(neg) - _ANNOTATIONS):
+        return False
+    if not isinstance(neg, dict):
+        return node
+    keys = set(neg) - _ANNOTATIONS
+    if keys == {"type"}:
+        excluded = {neg["type"]} if isinstance(neg["type"], str) else set(neg["type"])
+        if "number" in excluded:
+            excluded.add("integer")
+        own = node.get("type", list(_ALL_TYPES))
+        own = [own] if isinstance(own, str) else list(own)
+        if "integer" in excluded and "number" in own and "number" not in excluded:
+            return node  # "a number but not an integer": no type says that
+        allowed = [t for t in own if t not in excluded]
+        if not allowed:
+            return False
+        node["type"] = allowed if len(allowed) > 1 else allowed[0]
+        del node["not"]
+    elif keys == {"required"} and isinstance(neg["required"], list) and neg["required"]:
+        names = [n for n in neg["required"] if isinstance(n, str)]
+        if len(names) != len(neg["required"]):
+            return node
+        if len(names) == 1:
+            if names[0] in (node.get("required") or []):
+                return False
+            props = node.get("properties")
+            node["properties"] = {**(props if isinstance(props, dict) else {}), names[0]: False}
+            del node["not"]
+        elif "anyOf" not in node:
+            node["anyOf"] = [{"properties": {name: False}} for name in names]
+            del node["not"]
+    return node
