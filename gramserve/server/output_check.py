@@ -16,10 +16,9 @@ Validation runs on a thread of its own pool with a time bound, so a costly schem
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
-import threading
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import Decimal
@@ -66,8 +65,6 @@ def _pattern_keyword(validator, pattern, instance, schema):
 class OutputChecker:
     def __init__(self, timeout_s: float = CHECK_TIMEOUT_S):
         self.timeout_s = timeout_s
-        self._validators: OrderedDict[str, object] = OrderedDict()
-        self._lock = threading.Lock()  # checks run on worker threads
         self._pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="output-check")
         self.stats = {"checked": 0, "invalid": 0, "unchecked": 0}
 
@@ -93,7 +90,7 @@ class OutputChecker:
             return CheckResult(True, f"the output is not JSON: {exc}")
         if grammar.kind == "json_object":
             return CheckResult(True, None if isinstance(value, dict) else "the output is not a JSON object")
-        validator = self._validator(grammar.text)
+        validator = _validator(grammar.text)
         if validator is None:
             return CheckResult(False)
         try:
@@ -105,22 +102,15 @@ class OutputChecker:
         where = "/".join(str(p) for p in error.absolute_path)
         return CheckResult(True, f"the output does not validate against the schema at /{where}: {error.message[:300]}")
 
-    def _validator(self, schema_text: str):
-        with self._lock:
-            validator = self._validators.get(schema_text)
-            if validator is not None:
-                self._validators.move_to_end(schema_text)
-                return validator
-        try:
-            schema = json.loads(schema_text, parse_float=Decimal)
-            cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-            cls.check_schema(schema)
-            cls = jsonschema.validators.extend(cls, {"pattern": _pattern_keyword})
-            validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
-        except Exception:  # noqa: BLE001 - the backends accepted it; the validator does not: leave it unchecked
-            return None
-        with self._lock:
-            self._validators[schema_text] = validator
-            while len(self._validators) > VALIDATOR_CACHE:
-                self._validators.popitem(last=False)
-        return validator
+
+@functools.lru_cache(maxsize=VALIDATOR_CACHE)  # thread-safe; one validator per distinct schema text
+def _validator(schema_text: str):
+    """A validator for the schema (its `$schema`'s draft, formats, timed patterns), or None if it cannot be read."""
+    try:
+        schema = json.loads(schema_text, parse_float=Decimal)
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        cls.check_schema(schema)
+        cls = jsonschema.validators.extend(cls, {"pattern": _pattern_keyword})
+        return cls(schema, format_checker=cls.FORMAT_CHECKER)
+    except Exception:  # noqa: BLE001 - the backends accepted it; the validator does not: leave it unchecked
+        return None
