@@ -20,8 +20,8 @@ def sampler() -> Sampler:
     return Sampler(V, V, CPU)
 
 
-def row(params: SamplingParams | None = None, prompt=(), out=(), generator=None, suppress=()) -> SamplingRow:
-    return SamplingRow(params or SamplingParams(), list(prompt), list(out), generator, tuple(suppress))
+def row(params: SamplingParams | None = None, prompt=(), out=(), suppress=()) -> SamplingRow:
+    return SamplingRow(params or SamplingParams(), list(prompt), list(out), tuple(suppress))
 
 
 def rand_logits(seed: int, b: int = 1, v: int = V, scale: float = 2.0) -> torch.Tensor:
@@ -185,7 +185,6 @@ def test_empirical_distribution_matches_softmax(sampler, temperature):
 
 def _seeded_run(sampler: Sampler, seed: int, position: int, batch: int, noise_seed: int, steps: int = 12):
     """Sample `steps` tokens for one seeded row at `position` in a batch of unseeded rows."""
-    gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(noise_seed)  # the unseeded rows' noise: must not matter to the seeded row
     params = SamplingParams(temperature=1.0, seed=seed)
     out = []
@@ -193,7 +192,7 @@ def _seeded_run(sampler: Sampler, seed: int, position: int, batch: int, noise_se
         logits = torch.randn(batch, V)  # other rows: whatever
         logits[position] = rand_logits(100 + step, scale=0.5)[0]  # the seeded row: same at every step
         rows = [row(SamplingParams(temperature=0.8, top_k=20)) for _ in range(batch)]
-        rows[position] = row(params, prompt=[1, 2], out=list(out), generator=gen)
+        rows[position] = row(params, prompt=[1, 2], out=list(out))
         out.append(sampler.sample(logits, rows).token_ids[position])
     return out
 
@@ -207,13 +206,12 @@ def test_same_seed_same_tokens_whatever_the_batch(sampler):
 
 
 def test_two_equally_seeded_rows_in_one_batch_agree(sampler):
-    g1, g2 = torch.Generator().manual_seed(99), torch.Generator().manual_seed(99)
     p = SamplingParams(temperature=1.0, seed=99)
     seq1, seq2 = [], []
     for step in range(10):
         logits = torch.randn(4, V)
         logits[1] = logits[3] = rand_logits(200 + step, scale=0.5)[0]
-        rows = [row(), row(p, generator=g1), row(), row(p, generator=g2)]
+        rows = [row(), row(p, out=[0] * step), row(), row(p, out=[0] * step)]
         ids = sampler.sample(logits, rows).token_ids
         seq1.append(ids[1])
         seq2.append(ids[3])
@@ -235,7 +233,7 @@ def test_row_chunks_give_the_same_tokens(sampler, monkeypatch):
     params = [SamplingParams(temperature=0.9, top_p=0.8, top_k=30 - i, seed=i) for i in range(10)]
 
     def run() -> list[int]:
-        rows = [row(p, generator=torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
+        rows = [row(p) for p in params]
         return sampler.sample(logits.clone(), rows).token_ids
 
     whole = run()
@@ -613,7 +611,15 @@ def test_no_stop_string_runs_to_length(tok):
     assert req.finished.type == "length"
 
 
-def test_seeded_req_has_reproducible_generator(tok):
-    a, b = make_req(tok, seed=5), make_req(tok, seed=5)
-    assert make_req(tok).generator is None
-    assert torch.equal(torch.rand(4, generator=a.generator), torch.rand(4, generator=b.generator))
+def test_seeded_noise_is_a_function_of_seed_and_step():
+    """Exp(1) noise per (seed, step): reproducible, different for other seeds and steps, not shifted copies of
+    another row, and 2**64 - 1 (the largest seed accepted) works."""
+    from gramserve.sampling.seeded_noise import seeded_exponential
+
+    cpu = torch.device("cpu")
+    n = seeded_exponential([5, 5, 6, 5, 2**64 - 1], [0, 0, 0, 1, 3], 20000, cpu)
+    assert torch.equal(n[0], n[1]) and n.min() > 0
+    for other in (n[2], n[3], n[4]):
+        assert not torch.equal(n[0], other)
+        assert abs(torch.corrcoef(torch.stack([n[0][1:], other[:-1]]))[0, 1]) < 0.05  # not a shifted copy
+    assert abs(n.mean().item() - 1.0) < 0.02 and abs(n.std().item() - 1.0) < 0.03

@@ -6,8 +6,8 @@ row's temperature, then rejection sampling that honours each row's top-k and top
 "joint" order, the same set the torch path keeps: the k most likely tokens that also lie in the top-p nucleus
 of the full distribution).
 
-Rows with a seed or min_p stay on the torch path: a seeded request draws its noise from its own CPU generator,
-so the same seed gives the same tokens on every device and in every batch.
+Rows with a seed or min_p stay on the torch path: a seeded request's noise is a hash of (seed, step, token)
+(seeded_noise.py), so the same seed gives the same tokens on every device and in every batch.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Every per-request knob becomes a column tensor so one batch is processed with a handful of tensor ops.
 Random draws use the exponential-race trick (argmax of p / E with E ~ Exp(1)), which equals sampling from p
-and lets seeded requests draw their noise from their own generator: same seed, same tokens, whatever the batch.
+and lets seeded requests draw their noise from a hash of (seed, step, token) (seeded_noise.py): same seed, same
+tokens, whatever the batch.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from gramserve.sampling.params import SamplingParams
+from gramserve.sampling.seeded_noise import seeded_exponential
 
 
 @dataclass
@@ -21,7 +23,6 @@ class SamplingRow:
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int]
-    generator: torch.Generator | None  # set for seeded requests
     suppress_ids: tuple[int, ...] = ()  # ids banned this step (EOS / stop ids before min_tokens)
 
 
@@ -106,7 +107,7 @@ class Sampler:
         """Build FlashInfer's sampling kernels now (a JIT compile on a fresh machine), not on a first request."""
         logits = torch.zeros(1, self.vocab_size, device=self.device)
         for top_p, top_k in ((0.9, 50), (0.9, -1), (1.0, 50), (1.0, -1)):  # each of the four kernel paths
-            self.sample(logits, [SamplingRow(SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k), [], [], None)])
+            self.sample(logits, [SamplingRow(SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k), [], [])])
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow], num_top_logprobs: int = -1) -> SampleResult:
         """logits: [B, V] float32. num_top_logprobs < 0 skips logprob computation."""
@@ -203,7 +204,9 @@ class Sampler:
 
     def _sample_kernels(self, logits: torch.Tensor, rows: list[SamplingRow], temps: list[float]) -> torch.Tensor:
         """Unseeded random rows through the sort-free kernels; seeded and min_p rows through the torch path."""
-        own = [i for i, r in enumerate(rows) if not r.params.greedy and (r.generator is not None or r.params.min_p > 0)]
+        own = [
+            i for i, r in enumerate(rows) if not r.params.greedy and (r.params.seed is not None or r.params.min_p > 0)
+        ]
         if len(own) == len(rows):
             return self._sample_torch(logits, rows, temps)
         # Greedy rows take the argmax afterwards; temperature 1 keeps their softmax finite meanwhile.
@@ -239,13 +242,16 @@ class Sampler:
         probs = torch.softmax(logits / t[:, None], dim=-1)
         probs = self._filter(probs, rows)
         noise = torch.empty_like(probs).exponential_()
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                # Seeded noise is drawn on the CPU (where the request's generator lives), so a seed gives
-                # the same tokens on every device.
-                noise[i] = (
-                    torch.empty(probs.shape[-1]).exponential_(generator=r.generator).to(noise.device, non_blocking=True)
-                )
+        seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
+        if seeded:
+            # A function of (seed, step, token): the same tokens whatever the batch, row or device (seeded_noise.py).
+            drawn = seeded_exponential(
+                [rows[i].params.seed for i in seeded],
+                [len(rows[i].output_ids) for i in seeded],
+                probs.shape[-1],
+                probs.device,
+            )
+            noise[self._column(seeded, torch.long)] = drawn.to(noise.dtype)
         return (probs / noise).argmax(dim=-1)
 
     def _filter(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

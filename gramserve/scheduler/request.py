@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from gramserve.messages import FinishReason, TokenizedGenerateReq, TokenLogprob
 from gramserve.sampling.params import SamplingParams
 from gramserve.sampling.sampler import SamplingRow
@@ -34,9 +32,6 @@ class Req:
         self.finished: FinishReason | None = None
         self.pending_logprobs: list[TokenLogprob] = []
         self.sent_tokens = 0  # output tokens already sent to the detokenizer
-        self.generator = None
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
         self.grammar = msg.grammar
         self.grammar_backend: str | None = None  # which backend compiled it
         self.grammar_started = msg.grammar is not None and not msg.grammar.start_after
@@ -68,7 +63,7 @@ class Req:
         # Under a grammar, EOS is the grammar's call (it may be the only token allowed).
         if len(self.output_ids) < self.params.min_new_tokens and not self.constrained:
             suppress = tuple(self.eos_ids | self.stop_token_ids)
-        return SamplingRow(self.params, self.origin_input_ids, self.output_ids, self.generator, suppress)
+        return SamplingRow(self.params, self.origin_input_ids, self.output_ids, suppress)
 
     def append_token(self, token: int, tokenizer, context_length: int) -> None:
         """Record a sampled token and decide whether the request is done."""

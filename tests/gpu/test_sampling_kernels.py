@@ -45,7 +45,7 @@ def expected(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_
 
 def draw(sampler: Sampler, x: torch.Tensor, params: SamplingParams, steps: int = STEPS) -> torch.Tensor:
     logits = x.to(DEV).expand(ROWS, V).contiguous()
-    rows = [SamplingRow(params, [], [], None) for _ in range(ROWS)]
+    rows = [SamplingRow(params, [], []) for _ in range(ROWS)]
     return torch.tensor([t for _ in range(steps) for t in sampler.sample(logits, rows).token_ids])
 
 
@@ -74,7 +74,6 @@ def test_draws_follow_the_requested_distribution(samplers, temperature, top_k, t
 def test_mixed_batch_greedy_seeded_min_p_and_kernel_rows(samplers):
     x = make_logits(7)
     logits = torch.stack([x, x, x, x, x]).to(DEV)
-    gen = lambda: torch.Generator().manual_seed(1234)  # noqa: E731
     params = [
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=1.0, top_p=0.9, seed=1234),
@@ -82,12 +81,14 @@ def test_mixed_batch_greedy_seeded_min_p_and_kernel_rows(samplers):
         SamplingParams(temperature=0.9, top_k=3),
         SamplingParams(temperature=1.0, top_k=1),
     ]
-    gens = [None, gen(), None, None, None]
-    rows = [SamplingRow(p, [], [], g) for p, g in zip(params, gens)]
+    rows = [SamplingRow(p, [], []) for p in params]
     got = samplers["flashinfer"].sample(logits, rows).token_ids
     assert got[0] == got[4] == int(x.argmax())  # temperature 0 and top_k 1 are greedy
-    ref_rows = [SamplingRow(params[1], [], [], gen())]
+    ref_rows = [SamplingRow(params[1], [], [])]
     assert got[1] == samplers["torch"].sample(logits[1:2], ref_rows).token_ids[0]  # a seed gives the same token
+    # ... and the same on the CPU: seeded noise is a hash of (seed, step, token), identical on every device.
+    cpu = Sampler(V, V, torch.device("cpu"), backend="torch")
+    assert got[1] == cpu.sample(logits[1:2].cpu(), ref_rows).token_ids[0]
     assert expected(x, 1.0, -1, 1.0, min_p=0.2)[got[2]] > 0
     assert expected(x, 0.9, 3, 1.0)[got[3]] > 0
     # Many draws of the min_p row (torch path inside the flashinfer backend) follow its distribution too.
