@@ -20,6 +20,10 @@ from gramserve.model.forward_batch import ForwardBatch, ForwardMode
 from gramserve.model.kv_cache import KVCache
 
 WORKSPACE_BYTES = 256 * 2**20
+# Zeroed entries past the end of each kv_indices tensor. The SM90 paged-prefill kernel (head_dim 64, page size 1)
+# faulted with an illegal memory access under a 1B-shape load of many short prefills; an exactly sized indices tensor
+# is the suspect (a kernel that reads ahead a tile past the last index). Slot 0 exists, so a read-ahead is harmless.
+KV_INDICES_PAD = 1024
 
 
 @dataclass
@@ -78,7 +82,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _indices(self, batch_rows, seq_lens, indptr_cpu: torch.Tensor, req_to_token) -> torch.Tensor:
         dev = self.kv_cache.device
-        out = torch.empty(max(int(indptr_cpu[-1]), 1), dtype=torch.int32, device=dev)
+        out = torch.zeros(int(indptr_cpu[-1]) + KV_INDICES_PAD, dtype=torch.int32, device=dev)
         return build_kv_indices(req_to_token, batch_rows, seq_lens, indptr_cpu.to(dev, non_blocking=True), out)
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
