@@ -124,6 +124,11 @@ class ServerArgs:
     # Grammar workers; each constrained request's matcher lives in one (None: the device's default)
     grammar_shards: int | None = None
     grammar_max_bytes: int = 256 * 1024  # largest schema / grammar text accepted
+    # auto: a JSON schema no backend enforces exactly is served through the closest enforceable one
+    # (grammar/schema_relax.py), its outputs checked; off: such schemas get a 400
+    grammar_relax: bool = True
+    # a non-streamed constrained output that fails the last check is sampled again up to this many times
+    grammar_check_retries: int = 2
     grammar_max_depth: int = 64  # deepest JSON nesting accepted in a schema
     # Function calling and reasoning
     chat_template: str | None = None  # a Jinja file or template text replacing the tokenizer's
@@ -256,6 +261,19 @@ class ServerArgs:
             choices=["xgrammar", "llguidance", "outlines", "auto"],
         )
         parser.add_argument("--grammar-compile-timeout", type=float, default=defaults.grammar_compile_timeout)
+        parser.add_argument(
+            "--grammar-relax",
+            action=argparse.BooleanOptionalAction,
+            default=defaults.grammar_relax,
+            help="auto: serve JSON schemas no backend enforces exactly (uniqueItems, if/then/else, dependencies, "
+            "overlapping oneOf, ...) through the closest enforceable schema, every output checked; off: a 400",
+        )
+        parser.add_argument(
+            "--grammar-check-retries",
+            type=lambda v: _int_at_least(v, 0),
+            default=defaults.grammar_check_retries,
+            help="times a non-streamed constrained output that fails the last check is sampled again",
+        )
         parser.add_argument(
             "--grammar-max-whitespace",
             type=lambda v: None if v in ("none", "None") else int(v),

@@ -28,7 +28,11 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from decimal import Decimal
 from pathlib import Path
+from typing import Any
+
+import jsonschema
 
 from gramserve.grammar.backends import GrammarBackend, GrammarCompileError, GrammarSpec, create_backend
 from gramserve.sampling.bitmask import allocate_bitmask
@@ -401,3 +405,27 @@ def run_corpus(
 
 
 _COMPILE_SLACK_S = 0.5
+
+
+def instance_error(schema: Any, text: str) -> str | None:
+    """Why the output `text` breaks `schema` (the draft its `$schema` names, formats checked, numbers as Decimals),
+    or None when it validates or cannot be checked here (a number Python will not read, a schema the validator
+    cannot read, an unresolvable $ref). The client-side check of the fuzz test and bench_corpus_validity.py."""
+    try:
+        instance = json.loads(text, parse_float=Decimal)
+        schema = json.loads(json.dumps(schema), parse_float=Decimal)
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        error = next(iter(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(instance)), None)
+    except ArithmeticError:
+        return None  # a number past Decimal's exponent range: valid JSON, not checkable here
+    except (ValueError, RecursionError) as exc:
+        if "integer string conversion" in str(exc):
+            return None  # an integer of more than 4300 digits: valid JSON, not checkable here
+        return f"{type(exc).__name__}: {exc}"
+    except jsonschema.exceptions.SchemaError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - an unresolvable $ref: not checkable here either
+        if "Unresolvable" in type(exc).__name__:
+            return None
+        raise
+    return None if error is None else f"{error.message[:200]} at /{'/'.join(map(str, error.absolute_path))}"

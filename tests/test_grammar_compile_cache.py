@@ -119,10 +119,10 @@ def test_auto_tries_llguidance_first_and_remembers_its_choice(tokenizer):
         again = svc.submit(GrammarCompileReq("b", GrammarRequest("json_schema", text)))
         assert again.source == "cache" and again.backend == chosen
         # A grammar llguidance rejects goes to the next backend.
-        rejected = json.dumps({"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3})
+        rejected = json.dumps({"type": "object", "propertyNames": {"maxLength": 3}, "maxProperties": 2})
         assert svc.submit(GrammarCompileReq("c", GrammarRequest("json_schema", rejected))) is None
         resp = collect(svc, {"c"})["c"]
-        assert resp.backend != "llguidance", resp
+        assert resp.backend == "xgrammar", resp
     finally:
         svc.close()
 
@@ -255,3 +255,38 @@ def test_llguidance_regex_digits_are_ascii(tokenizer):
             m = b.matcher(compiled)
             accepted = all(m.accept_token(t) for t in tokenizer.encode(text, add_special_tokens=False))
             assert (accepted and m.can_terminate()) is ok, (pattern, text)
+
+
+UNIQUE = json.dumps({"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3})
+
+
+def test_auto_serves_what_no_backend_enforces_through_the_relaxed_schema(tokenizer):
+    """uniqueItems: refused by every backend exactly, so auto's last resort serves it relaxed; an explicit backend,
+    or a service with relaxing off, refuses it with every backend's reason."""
+    svc = make_service(tokenizer)
+    try:
+        assert svc.submit(GrammarCompileReq("a", GrammarRequest("json_schema", UNIQUE))) is None
+        resp = collect(svc, {"a"})["a"]
+        assert resp.error is None and resp.backend == "llguidance:relaxed", resp
+        m = svc.matchers["a"]  # the relaxed grammar still holds the rest of the schema: integers only
+        assert all(m.accept_token(t) for t in tokenizer.encode("[1", add_special_tokens=False))
+        assert not m.accept_token(tokenizer.encode('"', add_special_tokens=False)[0])
+        again = svc.submit(GrammarCompileReq("b", GrammarRequest("json_schema", UNIQUE)))
+        assert again.source == "cache" and again.backend == "llguidance:relaxed"
+        explicit = GrammarRequest("json_schema", UNIQUE, backend="llguidance")
+        refused = svc.submit(GrammarCompileReq("c", explicit))  # from the failure cache at once
+        assert refused.backend is None and "uniqueItems" in refused.error
+        # A grammar whose exact compile fails for a reason relaxing does not touch: no relaxed try at all.
+        false_schema = json.dumps({"type": "object", "properties": {"a": False}, "required": ["a"]})
+        assert svc.submit(GrammarCompileReq("d", GrammarRequest("json_schema", false_schema))) is None
+        error = collect(svc, {"d"})["d"].error
+        assert error and ":relaxed" not in error
+    finally:
+        svc.close()
+    strict = make_service(tokenizer, relax=False)
+    try:
+        assert strict.submit(GrammarCompileReq("a", GrammarRequest("json_schema", UNIQUE))) is None
+        resp = collect(strict, {"a"})["a"]
+        assert resp.backend is None and "uniqueItems" in resp.error
+    finally:
+        strict.close()

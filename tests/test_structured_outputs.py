@@ -425,4 +425,37 @@ def test_last_check_reports_an_output_that_breaks_its_schema(client, model_name,
     assert cut.choices[0].finish_reason == "invalid_output", cut
     after = httpx.get(base_url + "/get_server_info", timeout=30).json()["output_checks"]
     assert after["checked"] >= before["checked"] + 1
-    assert after["invalid"] == before["invalid"] + 1
+    # Sampled twice more (--grammar-check-retries 2), cut the same way each time.
+    assert after["invalid"] == before["invalid"] + 3 and after["retried"] == before["retried"] + 2
+
+
+def test_a_schema_no_grammar_enforces_is_served_relaxed_and_retried(client, model_name, base_url):
+    """`not: {const: v}` is beyond every backend: auto serves the schema without it and checks each output. The
+    greedy first attempt gives v (what the schema without `not` gives), fails the check, and is sampled again: the
+    answer is a valid value or, if every retry gave v too, invalid_output, never v with "stop". A streamed request is
+    not retried: its v ends as invalid_output."""
+    base = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]}
+    messages = [{"role": "user", "content": "Pick a number from 0 to 9, as JSON."}]
+
+    def ask(schema, **kw):
+        fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+        return client.chat.completions.create(
+            model=model_name, messages=messages, max_tokens=20, temperature=0, response_format=fmt, **kw
+        )
+
+    first = ask(base)
+    v = json.loads(first.choices[0].message.content)["n"]
+    schema = {**base, "not": {"properties": {"n": {"const": v}}}}
+    before = httpx.get(base_url + "/get_server_info", timeout=30).json()["output_checks"]
+    r = ask(schema)
+    assert r.model_extra["grammar_backend"] == "llguidance:relaxed"
+    after = httpx.get(base_url + "/get_server_info", timeout=30).json()["output_checks"]
+    assert after["retried"] >= before["retried"] + 1
+    if r.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+        assert after["recovered"] == before["recovered"] + 1
+    else:
+        assert r.choices[0].finish_reason == "invalid_output"
+    chunks = list(ask(schema, stream=True))
+    assert chunks[-1].choices[0].finish_reason == "invalid_output"
+    assert json.loads("".join(c.choices[0].delta.content or "" for c in chunks))["n"] == v

@@ -40,7 +40,8 @@ from gramserve.grammar.backends import create_backend
 from gramserve.grammar.backends.base import GrammarBackend, GrammarCompileError, GrammarOptions, GrammarSpec
 from gramserve.grammar.disk_cache import PERSISTED_BACKENDS, DiskCache, backend_fingerprint
 from gramserve.grammar.schema_audit import beyond_regular, unenforced
-from gramserve.grammar.schema_normalize import rewrite_not
+from gramserve.grammar.schema_normalize import integral_counts, rewrite_not
+from gramserve.grammar.schema_relax import relax
 from gramserve.messages import GrammarRequest
 
 logger = logging.getLogger(__name__)
@@ -53,29 +54,51 @@ class CompileWorkerDied(RuntimeError):
     """The worker process ended (killed or crashed) while compiling."""
 
 
-def compile_grammar(backend: GrammarBackend, grammar: GrammarRequest) -> object:
-    """What a compile does on a thread or in a worker: the schema audit, then the backend's compile."""
+def compile_grammar(backend: GrammarBackend, grammar: GrammarRequest, relaxed: bool = False) -> object:
+    """What a compile does on a thread or in a worker: the schema audit, then the backend's compile. `relaxed`
+    compiles the closest enforceable schema instead (schema_relax.py); its outputs need the server's last check."""
     text = grammar.text
     if grammar.kind == "json_schema":
         text = _with_not_rewritten(text)
-        gaps = unenforced(backend.name, text)
-        if gaps:
-            raise GrammarCompileError(f"the schema uses {', '.join(gaps)}, which {backend.name} does not enforce")
-    elif grammar.kind == "regex" and beyond_regular(grammar.text):
-        raise GrammarCompileError(f"{backend.name} cannot enforce lookaround or backreferences in a regex")
+        if relaxed:
+            text = _relaxed(text)
+    error = audit_error(backend.name, GrammarRequest(grammar.kind, text, grammar.backend))
+    if error:
+        raise GrammarCompileError(error)
     return backend.compile(GrammarSpec(grammar.kind, text))
 
 
+def audit_error(backend_name: str, grammar: GrammarRequest) -> str | None:
+    """Why `backend_name` would not enforce the grammar (schema_audit.py), or None."""
+    if grammar.kind == "json_schema":
+        gaps = unenforced(backend_name, grammar.text)
+        if gaps:
+            return f"the schema uses {', '.join(gaps)}, which {backend_name} does not enforce"
+    elif grammar.kind == "regex" and beyond_regular(grammar.text):
+        return f"{backend_name} cannot enforce lookaround or backreferences in a regex"
+    return None
+
+
 def _with_not_rewritten(text: str) -> str:
-    """The schema text with `not` stated positively where it can be (schema_normalize.rewrite_not)."""
-    if '"not"' not in text:
-        return text
+    """The schema text with `not` stated positively where it can be (schema_normalize.rewrite_not) and counts
+    written as floats made ints (schema_normalize.integral_counts)."""
     try:
         schema = json.loads(text)
     except ValueError:
         return text  # the backend reports the syntax error
-    rewritten = rewrite_not(schema)
+    rewritten = integral_counts(rewrite_not(schema))
     return text if rewritten is schema else json.dumps(rewritten)
+
+
+def _relaxed(text: str) -> str:
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return text
+    relaxed, dropped = relax(schema)
+    if not dropped:
+        raise GrammarCompileError("nothing to relax")  # the exact compile already failed for another reason
+    return json.dumps(relaxed)
 
 
 @dataclass

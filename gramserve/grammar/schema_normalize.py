@@ -136,3 +136,37 @@ def _rewrite(node: Any) -> Any:
             node["anyOf"] = [{"properties": {name: False}} for name in names]
             del node["not"]
     return node
+
+
+# Keywords whose value JSON Schema requires to be a non-negative integer; 2.0 is one (a number with a zero fraction).
+INTEGER_KEYWORDS = (
+    "minLength",
+    "maxLength",
+    "minItems",
+    "maxItems",
+    "minProperties",
+    "maxProperties",
+    "minContains",
+    "maxContains",
+)
+
+
+def integral_counts(schema: Any) -> Any:
+    """A copy of `schema` in which counts written as floats (``"maxLength": 2.0``) are ints; `schema` itself when
+    there are none. xgrammar ignored a float maxLength and let a 287-token string through (a GPU run over the
+    JSON-Schema-Test-Suite); other backends may refuse it."""
+    if not isinstance(schema, dict):
+        return schema
+    found = [
+        node
+        for node in _subschemas(schema)
+        if any(isinstance(node.get(k), float) and node[k].is_integer() for k in INTEGER_KEYWORDS)
+    ]
+    if not found:
+        return schema
+    out = copy.deepcopy(schema)
+    for node in _subschemas(out):
+        for k in INTEGER_KEYWORDS:
+            if isinstance(node.get(k), float) and node[k].is_integer():
+                node[k] = int(node[k])
+    return out

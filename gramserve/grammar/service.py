@@ -37,10 +37,12 @@ from gramserve.grammar.compile_process import (
     BackendArgs,
     CompileResult,
     ProcessCompiler,
+    audit_error,
     compile_grammar,
 )
 from gramserve.grammar.fill import FillPool, fill_rows
 from gramserve.grammar.fill_probe import probe_fill_us
+from gramserve.grammar.schema_relax import dropped_keywords, relaxable
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,10 @@ logger = logging.getLogger(__name__)
 # llguidance first: over the dev corpus it compiles in p50 1.1 ms / p99 1.7 ms (xgrammar: 10 / 247 ms) and fills
 # as fast on unbounded fields, 2-4x faster on bounded strings and formats (docs/benchmarks.md, "Backend choice").
 AUTO_ORDER = ("llguidance", "xgrammar", "outlines")
+# `auto`'s last resort for a JSON schema no backend enforces exactly: llguidance over the closest schema it can
+# enforce (schema_relax.py); the server checks such outputs and resamples failing ones.
+RELAXED = ":relaxed"
+AUTO_RELAXED = "llguidance" + RELAXED
 # `auto`: a backend whose masks cost more than this (us per row, measured) makes the next backend worth a try.
 SWITCH_FILL_US = 40.0
 # The background comparison walks this far (bounded strings cost most at their later characters), within a budget.
@@ -116,6 +122,7 @@ class GrammarService:
         fill_threads: int = 1,
         compile_processes: bool = True,
         cache_dir: str = "",
+        relax: bool = True,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -125,6 +132,7 @@ class GrammarService:
         self.default_backend = default_backend
         self.compile_timeout_s = compile_timeout_s
         self.cache_dir = cache_dir
+        self.relax = relax  # auto: serve schemas no backend enforces exactly through AUTO_RELAXED
         self._backends: dict[str, GrammarBackend] = {}
         self._backend_lock = threading.Lock()
         self.cache = LRU(cache_size)  # (backend, kind, text) -> compiled
@@ -150,6 +158,7 @@ class GrammarService:
             self.pool.submit(self.backend, AUTO_ORDER[1])  # the usual second choice, built off the hot path
 
     def backend(self, name: str) -> GrammarBackend:
+        name = name.removesuffix(RELAXED)
         with self._backend_lock:
             if name not in self._backends:
                 self._backends[name] = create_backend(
@@ -166,6 +175,8 @@ class GrammarService:
         name = g.backend
         if name == "auto":
             candidates = list(AUTO_ORDER)
+            if self.relax and g.kind == "json_schema":
+                candidates.append(AUTO_RELAXED)
             chosen = self.chosen.get_recent((g.kind, g.text))
             if chosen is not None:
                 candidates = [chosen]
@@ -198,8 +209,11 @@ class GrammarService:
                 self.stats["cache_hits"] += 1
                 return self._finish(f, backend, compiled, 0.0, "cache")
             failure = self.failures.get_recent(key)
+            if failure is None:
+                failure = self._refused_at_once(backend, f.grammar)
             if failure is not None:
-                f.errors.append(f"{backend}: {failure}")
+                if failure:
+                    f.errors.append(f"{backend}: {failure}")
                 continue
             f.backend, f.started = backend, time.monotonic()
             f.in_process = self._in_process(backend)
@@ -222,10 +236,20 @@ class GrammarService:
         error = "; ".join(f.errors) or "grammar rejected"
         return self._answer_all(f, lambda rid: GrammarCompileResp(rid, None, error))
 
+    def _refused_at_once(self, backend: str, grammar: GrammarRequest) -> str | None:
+        """A refusal known without compiling: the audit of a backend that compiles in a worker process (no worker
+        started for nothing), or a relaxed candidate with nothing to relax (its compile would repeat the exact one)."""
+        if backend.endswith(RELAXED):
+            return None if relaxable(grammar.text) else ""
+        if backend in PROCESS_BACKENDS:
+            return audit_error(backend, grammar)
+        return None
+
     def _timed_compile(self, f: _Flight, backend: str, grammar: GrammarRequest) -> CompileResult:
         f.started = time.monotonic()  # the timeout counts from the start of the work, not from the queue
         if not f.challenger:  # requests wait for this one: answer them as soon as it compiles
-            return CompileResult(compile_grammar(self.backend(backend), grammar), "compiled")
+            relaxed = backend.endswith(RELAXED)
+            return CompileResult(compile_grammar(self.backend(backend), grammar, relaxed), "compiled")
         incumbent, incumbent_compiled = f.best
         # A quick look first: is the backend serving it cheap enough to stop at?
         quick_us = probe_fill_us(self.backend(incumbent), incumbent_compiled)
@@ -364,14 +388,14 @@ class GrammarService:
         key = ("auto-challenger", f.grammar.kind, f.grammar.text)
         if key in self.pending or sum(p.challenger for p in self.pending.values()) >= MAX_CHALLENGERS:
             return
-        others = [b for b in f.candidates if b not in PROCESS_BACKENDS]
+        others = [b for b in f.candidates if b not in PROCESS_BACKENDS and not b.endswith(RELAXED)]
         challenger = _Flight(key, f.grammar, others, probes=dict(f.probes), best=f.best, challenger=True)
         self._try_next(challenger)  # a cache hit ends it at once; nothing waits for its answers
 
     @staticmethod
     def _others_left(f: _Flight) -> bool:
         """Is there another backend worth measuring? (outlines-core, the slow-compiling last resort, is not.)"""
-        return any(b not in PROCESS_BACKENDS for b in f.candidates)
+        return any(b not in PROCESS_BACKENDS and not b.endswith(RELAXED) for b in f.candidates)
 
     def _conclude(self, f: _Flight, source: str) -> list[GrammarCompileResp]:
         """Serve the flight's requests with its best backend; one log line per grammar compiled."""
@@ -390,6 +414,14 @@ class GrammarService:
                 ms,
                 f" (fill us per row: {probes})" if probes else "",
                 f" for {len(f.rids)} requests" if len(f.rids) > 1 else "",
+            )
+        if backend.endswith(RELAXED):
+            dropped = dropped_keywords(f.grammar.text)
+            logger.info(
+                "grammar %s: no backend enforces it exactly; served relaxed (outputs checked and resampled), "
+                "without %s",
+                describe(f.grammar),
+                "; ".join(dropped[:8]) + (f" and {len(dropped) - 8} more" if len(dropped) > 8 else ""),
             )
         return self._finish(f, backend, compiled, ms, source)
 

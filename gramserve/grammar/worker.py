@@ -62,6 +62,7 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
             compile_timeout_s=args.grammar_compile_timeout,
             fill_threads=settings.grammar_fill_threads,
             cache_dir=default_cache_dir() if args.grammar_cache_dir is None else args.grammar_cache_dir,
+            relax=args.grammar_relax,
         )
         feed = FeedReader(shared.shm.buf, settings.max_running_requests)
     except Exception as exc:  # noqa: BLE001 - reported to the launcher

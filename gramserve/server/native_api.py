@@ -95,6 +95,7 @@ def native_router(args: ServerArgs, tm: TokenizerManager) -> APIRouter:
                 grammar=grammar,
                 priority=req.priority,
                 is_disconnected=request.is_disconnected,
+                retry_invalid=not req.stream,
             )
         )
         if req.stream:

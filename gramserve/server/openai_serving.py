@@ -93,9 +93,11 @@ class OpenAIServing:
         is_disconnected,
         grammar: GrammarRequest | None = None,
         priority: int = 0,
+        whole: bool = False,
     ) -> AsyncIterator[tuple[int, GenerateOutput]]:
         """Run n engine requests (prompt and params already checked) and yield (choice index, output) as they
-        arrive."""
+        arrive. `whole`: the response is sent whole (not streamed), so a constrained output that fails the last
+        check may be sampled again (TokenizerManager.generate)."""
         gens = [
             self.tm.generate(
                 input_ids,
@@ -106,6 +108,7 @@ class OpenAIServing:
                 grammar=grammar,
                 priority=priority,
                 is_disconnected=is_disconnected,
+                retry_invalid=whole,
             )
             for i in range(n)
         ]
@@ -218,7 +221,7 @@ class OpenAIServing:
         watchers = [ChoiceStream(setup.tools, setup.reasoning()) for _ in range(req.n)] if setup.tools else None
         repeated = [False] * req.n
         async for i, out in self._merged(
-            setup.input_ids, setup.params, req.n, rid, top, is_disconnected, setup.grammar, req.priority
+            setup.input_ids, setup.params, req.n, rid, top, is_disconnected, setup.grammar, req.priority, whole=True
         ):
             if repeated[i]:
                 finals[i] = replace(out, finished=FinishReason("stop")) if out.finished is not None else finals[i]
@@ -369,7 +372,15 @@ class OpenAIServing:
             lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
             finals: list[GenerateOutput | None] = [None] * req.n
             async for i, out in self._merged(
-                ids, setup.params, req.n, f"{rid}-{pi}", req.logprobs, is_disconnected, setup.grammar, req.priority
+                ids,
+                setup.params,
+                req.n,
+                f"{rid}-{pi}",
+                req.logprobs,
+                is_disconnected,
+                setup.grammar,
+                req.priority,
+                whole=True,
             ):
                 texts[i] += out.text
                 lps[i] += out.logprobs or []

@@ -27,6 +27,7 @@ import jsonschema
 import regex
 from jsonschema.exceptions import ValidationError
 
+from gramserve.grammar.schema_normalize import integral_counts
 from gramserve.messages import GrammarRequest
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,8 @@ class OutputChecker:
     def __init__(self, timeout_s: float = CHECK_TIMEOUT_S):
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="output-check")
-        self.stats = {"checked": 0, "invalid": 0, "unchecked": 0}
+        # retried: attempts sampled again after a failed check; recovered: requests whose retry passed
+        self.stats = {"checked": 0, "invalid": 0, "unchecked": 0, "retried": 0, "recovered": 0}
 
     @staticmethod
     def applies(grammar: GrammarRequest | None) -> bool:
@@ -86,7 +88,11 @@ class OutputChecker:
         try:
             # Decimals, not floats: 10000.89 is a multiple of 0.01 as JSON text, not as a binary float.
             value = json.loads(text, parse_float=Decimal)
+        except ArithmeticError:
+            return CheckResult(False)  # JSON, but a number past Decimal's exponent range: not checkable here
         except ValueError as exc:
+            if "integer string conversion" in str(exc):
+                return CheckResult(False)  # JSON, but an integer of more than 4300 digits: Python will not read it
             return CheckResult(True, f"the output is not JSON: {exc}")
         if grammar.kind == "json_object":
             return CheckResult(True, None if isinstance(value, dict) else "the output is not a JSON object")
@@ -107,10 +113,27 @@ class OutputChecker:
 def _validator(schema_text: str):
     """A validator for the schema (its `$schema`'s draft, formats, timed patterns), or None if it cannot be read."""
     try:
-        schema = json.loads(schema_text, parse_float=Decimal)
+        # Integral counts as ints (a "maxLength": 2.0 would fail the metaschema's integer check as a Decimal).
+        schema = integral_counts(json.loads(schema_text, parse_float=_decimal_or_int))
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         cls.check_schema(schema)
-        cls = jsonschema.validators.extend(cls, {"pattern": _pattern_keyword})
+        # 5.0 is an integer in JSON Schema; outputs are read as Decimals, which the default checker calls numbers only.
+        types = cls.TYPE_CHECKER.redefine("integer", _is_integer)
+        cls = jsonschema.validators.extend(cls, {"pattern": _pattern_keyword}, type_checker=types)
         return cls(schema, format_checker=cls.FORMAT_CHECKER)
     except Exception:  # noqa: BLE001 - the backends accepted it; the validator does not: leave it unchecked
         return None
+
+
+def _decimal_or_int(text: str):
+    """A JSON float literal of the schema: an int when integral (2.0), else an exact Decimal."""
+    value = Decimal(text)
+    return int(value) if value == value.to_integral_value() and abs(value.adjusted()) < 30 else value
+
+
+def _is_integer(checker, instance) -> bool:
+    if isinstance(instance, bool):
+        return False
+    if isinstance(instance, Decimal):
+        return instance.is_finite() and instance == instance.to_integral_value()
+    return isinstance(instance, int) or (isinstance(instance, float) and instance.is_integer())

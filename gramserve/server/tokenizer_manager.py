@@ -36,6 +36,8 @@ from gramserve.server.output_check import OutputChecker
 logger = logging.getLogger(__name__)
 
 DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request checks that its client is still there
+# A retry after a failed last check samples at least this hot: a greedy retry would repeat the failed output.
+RETRY_MIN_TEMPERATURE = 0.7
 
 
 @dataclass
@@ -78,6 +80,8 @@ class TokenizerManager:
         self.control_waiters: dict[str, asyncio.Future] = {}
         self._recv_task: asyncio.Task | None = None
         self.output_checker = OutputChecker()
+        self.check_retries = config.args.grammar_check_retries
+        self._retry_of: dict[str, str] = {}  # a request's rid -> the rid of its retry now running (for abort)
 
     def start(self) -> None:
         if self._recv_task is None:
@@ -123,14 +127,54 @@ class TokenizerManager:
         grammar: GrammarRequest | None = None,
         priority: int = 0,
         is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+        retry_invalid: bool = False,
     ) -> AsyncIterator[GenerateOutput]:
         """Stream one request's outputs.
+
+        With `retry_invalid` (a client that reads the whole response at once), a constrained output that fails the
+        last check is sampled again, up to `--grammar-check-retries` times, before ``invalid_output`` is returned:
+        the outputs of an attempt are held until it passes, and only the last attempt's are yielded.
 
         Trusts `input_ids` and `sampling`: the routes check them once per request (sampling_request.py builds
         validated params, request_checks.check_prompt checks the prompt) and nothing else calls this. The rid
         is checked here, as only this class knows the live ones: a duplicate raises before anything is sent."""
-        self.start()
         rid = rid or uuid.uuid4().hex
+        args = (return_logprob, top_logprobs, grammar, priority, is_disconnected)
+        if not (retry_invalid and self.check_retries > 0 and self.output_checker.applies(grammar)):
+            async for out in self._attempt(rid, input_ids, sampling, *args):
+                yield out
+            return
+        try:
+            for attempt in range(self.check_retries + 1):
+                engine_rid = rid if attempt == 0 else f"{rid}-retry{attempt}"
+                if attempt:
+                    self._retry_of[rid] = engine_rid
+                outs = [out async for out in self._attempt(engine_rid, input_ids, _resampled(sampling, attempt), *args)]
+                fin = outs[-1].finished if outs else None
+                if fin is None or fin.type != "invalid_output" or attempt == self.check_retries:
+                    if attempt and fin is not None and fin.type != "invalid_output":
+                        self.output_checker.stats["recovered"] += 1
+                    for out in outs:
+                        yield out
+                    return
+                self.output_checker.stats["retried"] += 1
+                logger.info("request %s: sampling again after a failed last check (attempt %d)", rid, attempt + 2)
+        finally:
+            self._retry_of.pop(rid, None)
+
+    async def _attempt(
+        self,
+        rid: str,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        return_logprob: bool,
+        top_logprobs: int,
+        grammar: GrammarRequest | None,
+        priority: int,
+        is_disconnected: Callable[[], Awaitable[bool]] | None,
+    ) -> AsyncIterator[GenerateOutput]:
+        """One engine request: send it, stream its outputs, check a constrained output at its end."""
+        self.start()
         if rid in self.states:
             raise InvalidRequestError(f"duplicate request id {rid}", "rid")
         state = _ReqState()
@@ -187,6 +231,7 @@ class TokenizerManager:
         return replace(out, finished=FinishReason("invalid_output", message=result.error))
 
     async def abort(self, rid: str) -> bool:
+        rid = self._retry_of.get(rid, rid)
         if rid not in self.states:
             return False
         self.to_scheduler.send_pyobj(AbortReq(rid))
@@ -235,3 +280,17 @@ class TokenizerManager:
                     grammar_backend=msg.grammar_backends[i] if msg.grammar_backends else None,
                 )
             )
+
+
+def _resampled(sampling: SamplingParams, attempt: int) -> SamplingParams:
+    """The sampling of a retry: at least RETRY_MIN_TEMPERATURE, a seed of its own (derived from the request's, so a
+    seeded request stays reproducible)."""
+    if attempt == 0:
+        return sampling
+    seed = None if sampling.seed is None else (sampling.seed + 7919 * attempt) % (1 << 63)
+    return replace(
+        sampling,
+        temperature=max(sampling.temperature, RETRY_MIN_TEMPERATURE),
+        top_k=-1 if sampling.top_k == 1 else sampling.top_k,
+        seed=seed,
+    )

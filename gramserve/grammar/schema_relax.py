@@ -1,0 +1,109 @@
+"""The closest schema a grammar can enforce, for schemas no backend enforces exactly.
+
+Some keywords state relations a token grammar cannot follow (uniqueItems, if/then/else, dependencies, contains,
+unevaluated*, most forms of `not`, oneOf whose branches may overlap, lookaround in a pattern). Under `auto`, when
+no backend enforces a schema exactly, the service compiles `relax(schema)` instead: those keywords dropped (an
+overlapping oneOf becomes anyOf), everything else kept. Every output such a grammar allows is still JSON of the
+schema's shape, but may break a dropped keyword, so the server checks each finished output against the original
+schema and resamples a failing one (server/output_check.py, server/tokenizer_manager.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+from gramserve.grammar.schema_audit import _oneof_overlaps, beyond_regular
+from gramserve.grammar.schema_normalize import rewrite_not
+
+# Keywords a grammar cannot follow: dropped from the grammar, enforced by the last check.
+UNGRAMMATICAL = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "contains",
+    "minContains",
+    "maxContains",
+    "uniqueItems",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "$dynamicAnchor",
+    "$dynamicRef",
+)
+# Formats llguidance 1.x knows; others are dropped (the last check still checks the ones jsonschema knows).
+KNOWN_FORMATS = {
+    "date-time",
+    "time",
+    "date",
+    "duration",
+    "email",
+    "hostname",
+    "ipv4",
+    "ipv6",
+    "uuid",
+    "uri",
+    "unknown",
+}
+_INSTANCE_KEYS = {"enum", "const", "default", "examples"}
+_SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions"}
+
+
+def relax(schema: Any) -> tuple[Any, list[str]]:
+    """`schema` with what no grammar enforces taken out, and what was taken out (keyword at JSON pointer)."""
+    dropped: list[str] = []
+    if not isinstance(schema, dict):
+        return schema, dropped
+    return _relax(copy.deepcopy(schema), "", dropped), dropped
+
+
+def dropped_keywords(schema_text: str) -> list[str]:
+    """What `relax` takes out of the schema (after `not` is rewritten where it can be); [] if nothing or not JSON."""
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return []
+    return relax(rewrite_not(schema))[1]
+
+
+def relaxable(schema_text: str) -> bool:
+    return bool(dropped_keywords(schema_text))
+
+
+def _relax(node: Any, at: str, dropped: list[str]) -> Any:
+    if not isinstance(node, dict):
+        return node
+    for key in UNGRAMMATICAL:
+        if key in node:
+            del node[key]
+            dropped.append(f"{key} at {at or '/'}")
+    if isinstance(node.get("pattern"), str) and beyond_regular(node["pattern"]):
+        del node["pattern"]
+        dropped.append(f"pattern (lookaround or backreference) at {at or '/'}")
+    fmt = node.get("format")
+    if isinstance(fmt, str) and fmt not in KNOWN_FORMATS:
+        del node["format"]
+        dropped.append(f"format {fmt} at {at or '/'}")
+    if "oneOf" in node and isinstance(node["oneOf"], list) and _oneof_overlaps(node):
+        branches = node.pop("oneOf")
+        if "anyOf" in node:
+            node["allOf"] = [*node.get("allOf", []), {"anyOf": branches}]
+        else:
+            node["anyOf"] = branches
+        dropped.append(f"oneOf exclusivity at {at or '/'}")
+    for key, value in list(node.items()):
+        if key in _INSTANCE_KEYS:
+            continue
+        here = f"{at}/{key}"
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            node[key] = {k: _relax(v, f"{here}/{k}", dropped) for k, v in value.items()}
+        elif isinstance(value, dict):
+            node[key] = _relax(value, here, dropped)
+        elif isinstance(value, list):
+            node[key] = [_relax(v, f"{here}/{i}", dropped) for i, v in enumerate(value)]
+    return node

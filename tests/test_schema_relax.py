@@ -1,0 +1,98 @@
+"""schema_relax: what auto's last resort takes out of a schema, and only that."""
+
+from __future__ import annotations
+
+import json
+
+from gramserve.grammar.schema_relax import dropped_keywords, relax
+
+
+def test_ungrammatical_keywords_are_dropped_with_where():
+    schema = {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+            "kind": {"enum": ["a", "b"]},
+        },
+        "if": {"properties": {"kind": {"const": "a"}}},
+        "then": {"required": ["tags"]},
+        "dependentRequired": {"kind": ["tags"]},
+    }
+    relaxed, dropped = relax(schema)
+    assert relaxed == {
+        "type": "object",
+        "properties": {"tags": {"type": "array", "items": {"type": "string"}}, "kind": {"enum": ["a", "b"]}},
+    }
+    assert sorted(dropped) == ["dependentRequired at /", "if at /", "then at /", "uniqueItems at /properties/tags"]
+    assert "uniqueItems" in schema["properties"]["tags"]  # the caller's schema is left as it was
+
+
+def test_property_names_and_instance_data_that_look_like_keywords_are_kept():
+    schema = {
+        "type": "object",
+        "properties": {"not": {"type": "string"}, "if": {"type": "integer"}},
+        "required": ["not", "if"],
+        "default": {"not": 1, "uniqueItems": True},
+        "enum": [{"not": "x", "if": 1}],
+    }
+    assert relax(schema) == (schema, [])
+
+
+def test_overlapping_one_of_becomes_any_of_and_disjoint_stays():
+    overlap = {"oneOf": [{"type": "integer"}, {"type": "number"}]}
+    assert relax(overlap) == ({"anyOf": [{"type": "integer"}, {"type": "number"}]}, ["oneOf exclusivity at /"])
+    disjoint = {"oneOf": [{"type": "integer"}, {"type": "string"}]}
+    assert relax(disjoint) == (disjoint, [])
+    both = {"anyOf": [{"type": "integer"}, {"type": "string"}], "oneOf": [{"minimum": 1}, {"maximum": 5}]}
+    relaxed, _ = relax(both)
+    assert relaxed["anyOf"] == both["anyOf"] and relaxed["allOf"] == [{"anyOf": both["oneOf"]}]
+
+
+def test_lookaround_patterns_and_unknown_formats_are_dropped_other_ones_kept():
+    schema = {
+        "type": "object",
+        "properties": {
+            "pw": {"type": "string", "pattern": "^(?=.*[0-9]).{8}$", "maxLength": 8},
+            "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+            "ptr": {"type": "string", "format": "json-pointer"},
+            "when": {"type": "string", "format": "date-time"},
+        },
+    }
+    relaxed, dropped = relax(schema)
+    props = relaxed["properties"]
+    assert props["pw"] == {"type": "string", "maxLength": 8}
+    assert props["code"] == schema["properties"]["code"] and props["when"] == schema["properties"]["when"]
+    assert props["ptr"] == {"type": "string"}
+    assert len(dropped) == 2
+
+
+def test_not_is_rewritten_exactly_before_anything_is_dropped():
+    exact = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
+    assert dropped_keywords(json.dumps(exact)) == []  # rewrite_not states it positively: nothing to relax
+    assert dropped_keywords(json.dumps({"type": "string", "not": {"enum": ["x"]}})) == ["not at /"]
+    assert dropped_keywords("not json") == []
+
+
+def test_counts_written_as_floats_are_enforced(tokenizer):
+    """ "maxLength": 2.0 is the count 2 (xgrammar ignored the float and let a long string through)."""
+    from test_grammar_corpus import accepts, get_backend
+
+    from gramserve.grammar.backends import BACKEND_NAMES
+    from gramserve.grammar.compile_process import compile_grammar
+    from gramserve.grammar.schema_normalize import integral_counts
+    from gramserve.messages import GrammarRequest
+
+    assert integral_counts({"type": "array", "maxItems": 3.0, "items": {"maxLength": 1.5}}) == {
+        "type": "array",
+        "maxItems": 3,
+        "items": {"maxLength": 1.5},
+    }
+    schema = json.dumps({"type": "string", "maxLength": 2.0})
+    for name in BACKEND_NAMES:
+        b = get_backend(tokenizer, name)
+        try:
+            compiled = compile_grammar(b, GrammarRequest("json_schema", schema, name))
+        except Exception:  # noqa: BLE001 - a refusal is fine; silently not enforcing is not
+            continue
+        assert accepts(b, compiled, json.dumps("ab"), tokenizer, check_mask=False), name
+        assert not accepts(b, compiled, json.dumps("abc"), tokenizer, check_mask=False), name
