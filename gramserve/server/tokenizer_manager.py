@@ -152,7 +152,7 @@ class TokenizerManager:
                 outs = [out async for out in self._attempt(engine_rid, input_ids, _resampled(sampling, attempt), *args)]
                 fin = outs[-1].finished if outs else None
                 if fin is None or fin.type != "invalid_output" or attempt == self.check_retries:
-                    if attempt and fin is not None and fin.type != "invalid_output":
+                    if attempt and fin is not None and fin.type == "stop":
                         self.output_checker.stats["recovered"] += 1
                     for out in outs:
                         yield out
