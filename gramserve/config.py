@@ -129,6 +129,9 @@ class ServerArgs:
     grammar_relax: bool = True
     # a non-streamed constrained output that fails the last check is sampled again up to this many times
     grammar_check_retries: int = 2
+    # opt-in bounds on JSON-schema strings / arrays the schema leaves unbounded (against runaway outputs)
+    grammar_max_string_length: int | None = None
+    grammar_max_array_items: int | None = None
     grammar_max_depth: int = 64  # deepest JSON nesting accepted in a schema
     # Function calling and reasoning
     chat_template: str | None = None  # a Jinja file or template text replacing the tokenizer's
@@ -273,6 +276,19 @@ class ServerArgs:
             type=lambda v: _int_at_least(v, 0),
             default=defaults.grammar_check_retries,
             help="times a non-streamed constrained output that fails the last check is sampled again",
+        )
+        parser.add_argument(
+            "--grammar-max-string-length",
+            type=lambda v: _int_at_least(v, 1),
+            default=defaults.grammar_max_string_length,
+            help="bound JSON-schema strings that have no maxLength, pattern, format, enum or const to this many "
+            "characters (off by default; outputs stay valid under the schema)",
+        )
+        parser.add_argument(
+            "--grammar-max-array-items",
+            type=lambda v: _int_at_least(v, 1),
+            default=defaults.grammar_max_array_items,
+            help="bound JSON-schema arrays that have no maxItems to this many items (off by default)",
         )
         parser.add_argument(
             "--grammar-max-whitespace",

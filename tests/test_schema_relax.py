@@ -96,3 +96,39 @@ def test_counts_written_as_floats_are_enforced(tokenizer):
             continue
         assert accepts(b, compiled, json.dumps("ab"), tokenizer, check_mask=False), name
         assert not accepts(b, compiled, json.dumps("abc"), tokenizer, check_mask=False), name
+
+
+def test_opt_in_bounds_on_unbounded_strings_and_arrays(tokenizer):
+    """--grammar-max-string-length / --grammar-max-array-items: only what the schema leaves unbounded gets a bound,
+    never below the schema's own minimum, and the grammar enforces it."""
+    from test_grammar_corpus import accepts, get_backend
+
+    from gramserve.grammar.backends import GrammarOptions
+    from gramserve.grammar.compile_process import compile_grammar
+    from gramserve.grammar.schema_normalize import bound_unbounded
+    from gramserve.messages import GrammarRequest
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "free": {"type": "string"},
+            "long": {"type": "string", "minLength": 10},
+            "code": {"type": "string", "pattern": "^[a-z]+$"},
+            "tags": {"type": "array", "items": {"type": ["string", "null"]}},
+            "pair": {"type": "array", "prefixItems": [{"type": "integer"}] * 5},
+            "few": {"type": "array", "maxItems": 30},
+        },
+    }
+    bounded = bound_unbounded(schema, 4, 2)
+    props = bounded["properties"]
+    assert props["free"]["maxLength"] == 4 and props["long"]["maxLength"] == 10
+    assert "maxLength" not in props["code"] and props["few"]["maxItems"] == 30
+    assert props["tags"]["maxItems"] == 2 and props["tags"]["items"]["maxLength"] == 4
+    assert props["pair"]["maxItems"] == 5
+    assert bound_unbounded(schema, None, None) is schema and "maxLength" not in schema["properties"]["free"]
+
+    b = get_backend(tokenizer, "llguidance", options=GrammarOptions(max_string_length=4, max_array_items=2))
+    text = json.dumps({"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]})
+    compiled = compile_grammar(b, GrammarRequest("json_schema", text, "llguidance"))
+    assert accepts(b, compiled, json.dumps({"s": "abcd"}), tokenizer, check_mask=False)
+    assert not accepts(b, compiled, json.dumps({"s": "abcde"}), tokenizer, check_mask=False)

@@ -40,7 +40,7 @@ from gramserve.grammar.backends import create_backend
 from gramserve.grammar.backends.base import GrammarBackend, GrammarCompileError, GrammarOptions, GrammarSpec
 from gramserve.grammar.disk_cache import PERSISTED_BACKENDS, DiskCache, backend_fingerprint
 from gramserve.grammar.schema_audit import beyond_regular, unenforced
-from gramserve.grammar.schema_normalize import integral_counts, rewrite_not
+from gramserve.grammar.schema_normalize import bound_unbounded, integral_counts, rewrite_not
 from gramserve.grammar.schema_relax import relax
 from gramserve.messages import GrammarRequest
 
@@ -59,7 +59,7 @@ def compile_grammar(backend: GrammarBackend, grammar: GrammarRequest, relaxed: b
     compiles the closest enforceable schema instead (schema_relax.py); its outputs need the server's last check."""
     text = grammar.text
     if grammar.kind == "json_schema":
-        text = _with_not_rewritten(text)
+        text = _with_not_rewritten(text, backend.options)
         if relaxed:
             text = _relaxed(text)
     error = audit_error(backend.name, GrammarRequest(grammar.kind, text, grammar.backend))
@@ -79,14 +79,15 @@ def audit_error(backend_name: str, grammar: GrammarRequest) -> str | None:
     return None
 
 
-def _with_not_rewritten(text: str) -> str:
-    """The schema text with `not` stated positively where it can be (schema_normalize.rewrite_not) and counts
-    written as floats made ints (schema_normalize.integral_counts)."""
+def _with_not_rewritten(text: str, options: GrammarOptions) -> str:
+    """The schema text with `not` stated positively where it can be (schema_normalize.rewrite_not), counts
+    written as floats made ints (integral_counts) and, if the server asks, unbounded strings and arrays bounded."""
     try:
         schema = json.loads(text)
     except ValueError:
         return text  # the backend reports the syntax error
     rewritten = integral_counts(rewrite_not(schema))
+    rewritten = bound_unbounded(rewritten, options.max_string_length, options.max_array_items)
     return text if rewritten is schema else json.dumps(rewritten)
 
 

@@ -138,6 +138,31 @@ def _rewrite(node: Any) -> Any:
     return node
 
 
+_STRING_SHAPES = {"maxLength", "pattern", "format", "enum", "const"}
+
+
+def bound_unbounded(schema: Any, max_length: int | None, max_items: int | None) -> Any:
+    """A copy of `schema` in which strings without maxLength (nor pattern / format / enum / const) get
+    ``maxLength: max(max_length, minLength)`` and arrays without maxItems get ``maxItems: max(max_items, minItems,
+    prefixItems)``: a subset of the schema's language, so every output is still valid. Opt-in
+    (``--grammar-max-string-length``, ``--grammar-max-array-items``) against outputs that loop to max_tokens."""
+    if not isinstance(schema, dict) or (max_length is None and max_items is None):
+        return schema
+    out = copy.deepcopy(schema)
+    for node in _subschemas(out):
+        types = node.get("type")
+        types = {types} if isinstance(types, str) else set(types) if isinstance(types, list) else set()
+        if max_length is not None and "string" in types and not _STRING_SHAPES & node.keys():
+            low = node.get("minLength", 0)
+            node["maxLength"] = max(max_length, low if isinstance(low, int) else 0)
+        if max_items is not None and "array" in types and "maxItems" not in node:
+            low = node.get("minItems", 0)
+            prefix = node.get("prefixItems")
+            floor = max(low if isinstance(low, int) else 0, len(prefix) if isinstance(prefix, list) else 0)
+            node["maxItems"] = max(max_items, floor)
+    return out
+
+
 # Keywords whose value JSON Schema requires to be a non-negative integer; 2.0 is one (a number with a zero fraction).
 INTEGER_KEYWORDS = (
     "minLength",

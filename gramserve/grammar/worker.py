@@ -50,6 +50,8 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
         options = GrammarOptions(
             max_whitespace=args.grammar_max_whitespace,
             strict_json=args.grammar_strict_json,
+            max_string_length=args.grammar_max_string_length,
+            max_array_items=args.grammar_max_array_items,
             text_tokens=launch.grammar_text_tokens,
         )
         service = GrammarService(

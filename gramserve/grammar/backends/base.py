@@ -78,6 +78,9 @@ class GrammarOptions:
     text_tokens: special tokens that may stand for their own text (xgrammar and outlines), e.g. a
         tool-call marker such as Mistral's ``[TOOL_CALLS]``, so that a grammar spelling the marker
         accepts the single token the model emits for it. Other special tokens never match text.
+    max_string_length / max_array_items: opt-in bounds on JSON-schema strings without maxLength (nor pattern,
+        format, enum or const) and arrays without maxItems (``schema_normalize.bound_unbounded``), against outputs
+        that run to max_tokens; every output stays valid under the user's schema. None: no bound.
     """
 
     max_whitespace: int | None = 2
@@ -89,6 +92,8 @@ class GrammarOptions:
     compile_threads: int = 2
     cache_limit_bytes: int = 512 * 1024 * 1024
     outlines_max_recursion_depth: int = 3
+    max_string_length: int | None = None
+    max_array_items: int | None = None
 
 
 class Matcher(ABC):
