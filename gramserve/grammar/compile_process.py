@@ -59,9 +59,7 @@ def compile_grammar(backend: GrammarBackend, grammar: GrammarRequest, relaxed: b
     compiles the closest enforceable schema instead (schema_relax.py); its outputs need the server's last check."""
     text = grammar.text
     if grammar.kind == "json_schema":
-        text = _with_not_rewritten(text, backend.options)
-        if relaxed:
-            text = _relaxed(text)
+        text = _normalized_schema(text, backend.options, relaxed)
     error = audit_error(backend.name, GrammarRequest(grammar.kind, text, grammar.backend))
     if error:
         raise GrammarCompileError(error)
@@ -79,27 +77,21 @@ def audit_error(backend_name: str, grammar: GrammarRequest) -> str | None:
     return None
 
 
-def _with_not_rewritten(text: str, options: GrammarOptions) -> str:
-    """The schema text with `not` stated positively where it can be (schema_normalize.rewrite_not), counts
-    written as floats made ints (integral_counts) and, if the server asks, unbounded strings and arrays bounded."""
+def _normalized_schema(text: str, options: GrammarOptions, relaxed: bool) -> str:
+    """The schema text as compiled, parsed once: `not` stated positively where it can be (rewrite_not), counts
+    written as floats made ints (integral_counts), unbounded strings and arrays bounded if the server asks
+    (bound_unbounded), and with `relaxed` what no grammar enforces taken out (schema_relax.relax)."""
     try:
         schema = json.loads(text)
     except ValueError:
         return text  # the backend reports the syntax error
     rewritten = integral_counts(rewrite_not(schema))
     rewritten = bound_unbounded(rewritten, options.max_string_length, options.max_array_items)
+    if relaxed:
+        rewritten, dropped = relax(rewritten)
+        if not dropped:
+            raise GrammarCompileError("nothing to relax")  # the exact compile already failed for another reason
     return text if rewritten is schema else json.dumps(rewritten)
-
-
-def _relaxed(text: str) -> str:
-    try:
-        schema = json.loads(text)
-    except ValueError:
-        return text
-    relaxed, dropped = relax(schema)
-    if not dropped:
-        raise GrammarCompileError("nothing to relax")  # the exact compile already failed for another reason
-    return json.dumps(relaxed)
 
 
 @dataclass
