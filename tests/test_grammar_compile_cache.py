@@ -290,3 +290,38 @@ def test_auto_serves_what_no_backend_enforces_through_the_relaxed_schema(tokeniz
         assert resp.backend is None and "uniqueItems" in resp.error
     finally:
         strict.close()
+
+
+def test_the_schemas_inside_a_structural_tag_are_audited_and_relaxed(tokenizer):
+    """A tool's parameters inside a structural tag are held to the same audit as a response_format schema: xgrammar
+    would ignore uniqueItems there too, so it refuses; auto serves the tag relaxed (the check holds the calls to the
+    whole schema), with the rest of the schema still enforced."""
+    params = json.loads(UNIQUE)
+    tag = json.dumps(
+        {
+            "type": "structural_tag",
+            "format": {
+                "type": "tag",
+                "begin": "<call>",
+                "content": {"type": "json_schema", "json_schema": params},
+                "end": "</call>",
+            },
+        }
+    )
+    svc = make_service(tokenizer)
+    try:
+        named = svc.submit(GrammarCompileReq("x", GrammarRequest("structural_tag", tag, backend="xgrammar")))
+        error = named.error if named is not None else collect(svc, {"x"})["x"].error
+        assert error and "uniqueItems" in error, error
+        assert svc.submit(GrammarCompileReq("a", GrammarRequest("structural_tag", tag))) is None
+        resp = collect(svc, {"a"})["a"]
+        assert resp.error is None and resp.backend == "llguidance:relaxed", resp
+        m = svc.matchers["a"]
+        assert all(m.accept_token(t) for t in tokenizer.encode("<call>[1", add_special_tokens=False))
+        assert not m.accept_token(tokenizer.encode('"', add_special_tokens=False)[0])  # integers only
+        # A tag whose schemas need nothing dropped is compiled exactly, never relaxed.
+        plain = tag.replace('"uniqueItems": true', '"maxItems": 3')
+        assert svc.submit(GrammarCompileReq("b", GrammarRequest("structural_tag", plain))) is None
+        assert collect(svc, {"b"})["b"].backend == "llguidance"
+    finally:
+        svc.close()

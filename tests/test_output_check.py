@@ -98,3 +98,29 @@ def test_integral_floats_count_as_integers():
     assert c.check_now(grammar({"maxLength": 2.0}), json.dumps("ab")).error is None
     assert c.check_now(grammar({"type": "integer"}), "5.0").error is None
     assert c.check_now(grammar({"type": "integer"}), "5.5").error
+
+
+def test_tool_calls_are_checked_against_their_tools():
+    """For the tool-call grammar of a chat request, the check reads the calls the response would return (the
+    hermes format here) and validates each one's arguments against its tool's parameters."""
+    from gramserve.parsers.tool_calls import ToolFunction, get_tool_call_parser
+    from gramserve.server.tool_requests import ToolPlan
+
+    params = {**SCHEMA, "if": {"properties": {"name": {"const": "Ada"}}}, "then": {"required": ["when"]}}
+    plan = ToolPlan([ToolFunction("f", params)], "required", None, True, get_tool_call_parser("hermes"))
+    tag = GrammarRequest(kind="structural_tag", text="{}")
+    assert OutputChecker.target(tag, plan) is plan
+    assert OutputChecker.target(tag, None) is None
+    assert OutputChecker.target(GrammarRequest(kind="structural_tag", text="{}", start_after="</think>"), plan) is None
+    assert OutputChecker.target(grammar(SCHEMA), plan).kind == "json_schema"  # a response_format wins
+
+    def calls(*args: dict) -> str:
+        return "\n".join(f'<tool_call>\n{{"name": "f", "arguments": {json.dumps(a)}}}\n</tool_call>' for a in args)
+
+    c = OutputChecker()
+    assert c.check_now(plan, calls({"name": "Bo"}, {"name": "Ada", "when": "2024-01-01"})).error is None
+    bad = c.check_now(plan, calls({"name": "Bo"}, {"name": "Ada"}))
+    assert bad.checked and "'f'" in bad.error and "when" in bad.error
+    assert "long" in c.check_now(plan, calls({"name": "Adalbert"})).error
+    # A repeated call is not returned (chat_output.first_calls_until_repeat), so nothing after it is checked.
+    assert c.check_now(plan, calls({"name": "Bo"}, {"name": "Bo"}, {"name": "Ada"})).error is None

@@ -255,6 +255,77 @@ def test_repeated_call_ends_the_turn(client, model_name):
             check_call(name, args)
 
 
+# Parameters no grammar enforces exactly: if/then (kind "a" needs n), uniqueItems.
+BOOK = {
+    "type": "function",
+    "function": {
+        "name": "book",
+        "description": "Book a table.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "kind": {"enum": ["a", "b"]},
+                "n": {"type": "integer", "minimum": 1, "maximum": 9},
+                "tags": {"type": "array", "items": {"enum": ["x", "y", "z"]}, "uniqueItems": True, "maxItems": 3},
+            },
+            "required": ["kind", "tags"],
+            "additionalProperties": False,
+            "if": {"properties": {"kind": {"const": "a"}}},
+            "then": {"required": ["n"]},
+        },
+    },
+}
+
+
+def test_tool_schema_no_grammar_enforces_is_served_relaxed_and_checked(base_url, model_name):
+    """Tool parameters are audited like response_format schemas: xgrammar, which would drop if/then and
+    uniqueItems silently, refuses them (400); auto serves the closest grammar and holds every call to the tool's
+    whole schema: a call that breaks it is sampled again (non-streamed) or ends the choice as invalid_output, and
+    a choice that reports tool_calls carries only valid calls."""
+    body = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "Book a table for two."}],
+        "tools": [BOOK],
+        "tool_choice": "required",
+        "max_tokens": 80,
+        "temperature": 1.0,
+    }
+    refused = httpx.post(base_url + "/v1/chat/completions", json={**body, "grammar_backend": "xgrammar"}, timeout=60)
+    assert refused.status_code == 400 and "if" in refused.json()["error"]["message"], refused.text
+    schema = BOOK["function"]["parameters"]
+    before = httpx.get(base_url + "/get_server_info", timeout=30).json()["output_checks"]
+    reasons = []
+    for seed in range(4):
+        for stream in (False, True):
+            asked = {**body, "seed": seed, "stream": stream}
+            r = httpx.post(base_url + "/v1/chat/completions", json=asked, timeout=300)
+            assert r.status_code == 200, r.text
+            if stream:
+                events = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+                reason = next(e["choices"][0]["finish_reason"] for e in events[::-1] if e["choices"])
+                parts: dict[int, str] = {}
+                for e in events:
+                    for t in (e["choices"][0]["delta"].get("tool_calls") or []) if e["choices"] else []:
+                        parts[t["index"]] = parts.get(t["index"], "") + (t["function"].get("arguments") or "")
+                arguments = [parts[i] for i in sorted(parts)]
+            else:
+                assert r.json()["grammar_backend"] == "llguidance:relaxed"
+                choice = r.json()["choices"][0]
+                reason = choice["finish_reason"]
+                arguments = [c["function"]["arguments"] for c in choice["message"].get("tool_calls") or []]
+            reasons.append(reason)
+            if reason == "tool_calls":
+                for a in arguments:
+                    jsonschema.validate(json.loads(a), schema)
+            elif reason == "invalid_output":  # deserved: some call breaks the schema
+                assert any(not jsonschema.Draft202012Validator(schema).is_valid(json.loads(a)) for a in arguments)
+            else:
+                assert reason == "length", reason
+    after = httpx.get(base_url + "/get_server_info", timeout=30).json()["output_checks"]
+    assert after["checked"] + after["invalid"] > before["checked"] + before["invalid"]  # the calls were checked
+    assert "tool_calls" in reasons or "invalid_output" in reasons, reasons
+
+
 def test_history_with_tool_results(client, model_name):
     messages = ASK + [
         {

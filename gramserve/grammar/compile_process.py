@@ -37,6 +37,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from gramserve.grammar.backends import create_backend
+from gramserve.grammar.backends._structural_tag import map_json_schemas, tag_schemas
+from gramserve.grammar.backends._structural_tag import normalize as normalize_tag
 from gramserve.grammar.backends.base import GrammarBackend, GrammarCompileError, GrammarOptions, GrammarSpec
 from gramserve.grammar.disk_cache import PERSISTED_BACKENDS, DiskCache, backend_fingerprint
 from gramserve.grammar.schema_audit import beyond_regular, unenforced
@@ -56,10 +58,13 @@ class CompileWorkerDied(RuntimeError):
 
 def compile_grammar(backend: GrammarBackend, grammar: GrammarRequest, relaxed: bool = False) -> object:
     """What a compile does on a thread or in a worker: the schema audit, then the backend's compile. `relaxed`
-    compiles the closest enforceable schema instead (schema_relax.py); its outputs need the server's last check."""
+    compiles the closest enforceable schema instead (schema_relax.py); its outputs need the server's last check.
+    The JSON schemas inside a structural tag (tool-call arguments) are normalized, audited and relaxed alike."""
     text = grammar.text
     if grammar.kind == "json_schema":
         text = _normalized_schema(text, backend.options, relaxed)
+    elif grammar.kind == "structural_tag":
+        text = _normalized_tag(text, backend.options, relaxed)
     error = audit_error(backend.name, GrammarRequest(grammar.kind, text, grammar.backend))
     if error:
         raise GrammarCompileError(error)
@@ -74,24 +79,57 @@ def audit_error(backend_name: str, grammar: GrammarRequest) -> str | None:
             return f"the schema uses {', '.join(gaps)}, which {backend_name} does not enforce"
     elif grammar.kind == "regex" and beyond_regular(grammar.text):
         return f"{backend_name} cannot enforce lookaround or backreferences in a regex"
+    elif grammar.kind == "structural_tag":
+        try:
+            schemas = tag_schemas(grammar.text)
+        except GrammarCompileError:
+            return None  # the backend reports what is wrong with the tag
+        gaps = sorted({gap for schema in schemas for gap in unenforced(backend_name, json.dumps(schema))})
+        if gaps:
+            return f"a JSON schema of the structural tag uses {', '.join(gaps)}, which {backend_name} does not enforce"
     return None
 
 
 def _normalized_schema(text: str, options: GrammarOptions, relaxed: bool) -> str:
-    """The schema text as compiled, parsed once: `not` stated positively where it can be (rewrite_not), counts
-    written as floats made ints (integral_counts), unbounded strings and arrays bounded if the server asks
-    (bound_unbounded), and with `relaxed` what no grammar enforces taken out (schema_relax.relax)."""
+    """The schema text as compiled, parsed once (see `_normalized`)."""
     try:
         schema = json.loads(text)
     except ValueError:
         return text  # the backend reports the syntax error
+    rewritten, dropped = _normalized(schema, options, relaxed)
+    if relaxed and not dropped:
+        raise GrammarCompileError("nothing to relax")  # the exact compile already failed for another reason
+    return text if rewritten is schema else json.dumps(rewritten)
+
+
+def _normalized_tag(text: str, options: GrammarOptions, relaxed: bool) -> str:
+    """The structural tag as compiled: each of its JSON schemas as `_normalized_schema` makes it."""
+    try:
+        tag = normalize_tag(text)
+    except GrammarCompileError:
+        return text  # the backend reports what is wrong with the tag
+    dropped_any: list[str] = []
+
+    def one(schema: dict) -> dict:
+        rewritten, dropped = _normalized(schema, options, relaxed)
+        dropped_any.extend(dropped)
+        return rewritten
+
+    map_json_schemas(tag["format"], one)
+    if relaxed and not dropped_any:
+        raise GrammarCompileError("nothing to relax")
+    return json.dumps(tag)
+
+
+def _normalized(schema: object, options: GrammarOptions, relaxed: bool) -> tuple[object, list[str]]:
+    """`not` stated positively where it can be (rewrite_not), counts written as floats made ints (integral_counts),
+    unbounded strings and arrays bounded if the server asks (bound_unbounded), and with `relaxed` what no grammar
+    enforces taken out (schema_relax.relax); returns the schema (the same object if unchanged) and what was dropped."""
     rewritten = integral_counts(rewrite_not(schema))
     rewritten = bound_unbounded(rewritten, options.max_string_length, options.max_array_items)
-    if relaxed:
-        rewritten, dropped = relax(rewritten)
-        if not dropped:
-            raise GrammarCompileError("nothing to relax")  # the exact compile already failed for another reason
-    return text if rewritten is schema else json.dumps(rewritten)
+    if not relaxed:
+        return rewritten, []
+    return relax(rewritten)
 
 
 @dataclass

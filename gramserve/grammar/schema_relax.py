@@ -14,6 +14,8 @@ import copy
 import json
 from typing import Any
 
+from gramserve.grammar.backends._structural_tag import tag_schemas
+from gramserve.grammar.backends.base import GrammarCompileError
 from gramserve.grammar.schema_audit import _oneof_overlaps, beyond_regular
 from gramserve.grammar.schema_normalize import rewrite_not
 
@@ -62,17 +64,18 @@ def relax(schema: Any) -> tuple[Any, list[str]]:
     return _relax(copy.deepcopy(schema), "", dropped), dropped
 
 
-def dropped_keywords(schema_text: str) -> list[str]:
-    """What `relax` takes out of the schema (after `not` is rewritten where it can be); [] if nothing or not JSON."""
+def dropped_keywords(text: str, kind: str = "json_schema") -> list[str]:
+    """What `relax` takes out of a JSON schema (after `not` is rewritten where it can be), or out of each JSON schema
+    of a structural tag (tool-call arguments); [] if nothing, or if the text cannot be read."""
     try:
-        schema = json.loads(schema_text)
-    except ValueError:
+        schemas = [json.loads(text)] if kind == "json_schema" else tag_schemas(text) if kind == "structural_tag" else []
+    except (ValueError, GrammarCompileError):
         return []
-    return relax(rewrite_not(schema))[1]
+    return [d for schema in schemas for d in relax(rewrite_not(schema))[1]]
 
 
-def relaxable(schema_text: str) -> bool:
-    return bool(dropped_keywords(schema_text))
+def relaxable(text: str, kind: str = "json_schema") -> bool:
+    return bool(dropped_keywords(text, kind))
 
 
 def _relax(node: Any, at: str, dropped: list[str]) -> Any:

@@ -54,6 +54,7 @@ AUTO_ORDER = ("llguidance", "xgrammar", "outlines")
 # enforce (schema_relax.py); the server checks such outputs and resamples failing ones.
 RELAXED = ":relaxed"
 AUTO_RELAXED = "llguidance" + RELAXED
+RELAXABLE_KINDS = ("json_schema", "structural_tag")  # a structural tag relaxes the JSON schemas inside it
 # `auto`: a backend whose masks cost more than this (us per row, measured) makes the next backend worth a try.
 SWITCH_FILL_US = 40.0
 # The background comparison walks this far (bounded strings cost most at their later characters), within a budget.
@@ -175,7 +176,7 @@ class GrammarService:
         name = g.backend
         if name == "auto":
             candidates = list(AUTO_ORDER)
-            if self.relax and g.kind == "json_schema":
+            if self.relax and g.kind in RELAXABLE_KINDS:
                 candidates.append(AUTO_RELAXED)
             chosen = self.chosen.get_recent((g.kind, g.text))
             if chosen is not None:
@@ -240,7 +241,7 @@ class GrammarService:
         """A refusal known without compiling: the audit of a backend that compiles in a worker process (no worker
         started for nothing), or a relaxed candidate with nothing to relax (its compile would repeat the exact one)."""
         if backend.endswith(RELAXED):
-            return None if relaxable(grammar.text) else ""
+            return None if relaxable(grammar.text, grammar.kind) else ""
         if backend in PROCESS_BACKENDS:
             return audit_error(backend, grammar)
         return None
@@ -416,7 +417,7 @@ class GrammarService:
                 f" for {len(f.rids)} requests" if len(f.rids) > 1 else "",
             )
         if backend.endswith(RELAXED):
-            dropped = dropped_keywords(f.grammar.text)
+            dropped = dropped_keywords(f.grammar.text, f.grammar.kind)
             logger.info(
                 "grammar %s: no backend enforces it exactly; served relaxed (outputs checked and resampled), "
                 "without %s",

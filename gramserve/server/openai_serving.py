@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from gramserve.config import ServerConfig
-from gramserve.messages import FinishReason, GrammarRequest, TokenLogprob
+from gramserve.messages import GrammarRequest, TokenLogprob
 from gramserve.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from gramserve.parsers.tool_calls import get_tool_call_parser
 from gramserve.sampling.params import SamplingParams
@@ -46,6 +46,7 @@ class ChatSetup:
     top_logprobs: int | None
     grammar: GrammarRequest | None
     tools: ToolPlan | None
+    grammar_is_tools: bool  # the grammar is the tools' (tool_grammar): the calls' arguments get the last check
     reasoning_cls: type[ReasoningParser] | None
     template_kwargs: dict[str, Any]
 
@@ -94,10 +95,13 @@ class OpenAIServing:
         grammar: GrammarRequest | None = None,
         priority: int = 0,
         whole: bool = False,
+        tools: ToolPlan | None = None,
+        watch_calls: Callable[[], ChoiceStream] | None = None,
     ) -> AsyncIterator[tuple[int, GenerateOutput]]:
         """Run n engine requests (prompt and params already checked) and yield (choice index, output) as they
         arrive. `whole`: the response is sent whole (not streamed), so a constrained output that fails the last
-        check may be sampled again (TokenizerManager.generate)."""
+        check may be sampled again (TokenizerManager.generate). `tools`: the calls' arguments are checked too;
+        `watch_calls`: a choice ends at a repeated call."""
         gens = [
             self.tm.generate(
                 input_ids,
@@ -109,6 +113,8 @@ class OpenAIServing:
                 priority=priority,
                 is_disconnected=is_disconnected,
                 retry_invalid=whole,
+                tools=tools,
+                watch_calls=watch_calls,
             )
             for i in range(n)
         ]
@@ -180,10 +186,11 @@ class OpenAIServing:
         params = openai_sampling_params(req, self.tm.vocab_size)
         grammar = self.grammar(req)
         plan = plan_tools(req, self.tool_parser, self.args)
+        grammar_is_tools = False
         if plan is not None and plan.parses_calls:
             if grammar is None:
                 backend = checked_backend(req.grammar_backend or self.args.grammar_backend)
-                grammar = tool_grammar(plan, self.args, backend)
+                grammar, grammar_is_tools = tool_grammar(plan, self.args, backend), True
             elif plan.mode in ("required", "named"):
                 raise InvalidRequestError(
                     "tool_choice required or a named function cannot be combined with "
@@ -208,7 +215,25 @@ class OpenAIServing:
             params = replace(params, skip_special_tokens=False)
         self._check_prompt(input_ids, params)
         reasoning_cls = self.reasoning_cls if req.separate_reasoning else None
-        return ChatSetup(input_ids, params, top, grammar, plan, reasoning_cls, dict(req.chat_template_kwargs or {}))
+        return ChatSetup(
+            input_ids, params, top, grammar, plan, grammar_is_tools, reasoning_cls, dict(req.chat_template_kwargs or {})
+        )
+
+    def _chat_requests(self, setup: ChatSetup, req: P.ChatCompletionRequest, rid: str, is_disconnected, whole: bool):
+        """The merged outputs of a chat request's n engine requests."""
+        return self._merged(
+            setup.input_ids,
+            setup.params,
+            req.n,
+            rid,
+            setup.top_logprobs,
+            is_disconnected,
+            setup.grammar,
+            req.priority,
+            whole=whole,
+            tools=setup.tools if setup.grammar_is_tools else None,
+            watch_calls=(lambda: ChoiceStream(setup.tools, setup.reasoning())) if setup.tools is not None else None,
+        )
 
     async def chat(self, req: P.ChatCompletionRequest, is_disconnected) -> P.ChatCompletionResponse:
         setup = self._chat_setup(req)
@@ -217,24 +242,17 @@ class OpenAIServing:
         texts = [""] * req.n
         lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
         finals: list[GenerateOutput | None] = [None] * req.n
-        # Watches each choice's calls as they come, to stop a choice that repeats a call (chat_output.py).
+        # Which choices ended at a repeated call (their engine requests end there: TokenizerManager.generate).
         watchers = [ChoiceStream(setup.tools, setup.reasoning()) for _ in range(req.n)] if setup.tools else None
         repeated = [False] * req.n
-        async for i, out in self._merged(
-            setup.input_ids, setup.params, req.n, rid, top, is_disconnected, setup.grammar, req.priority, whole=True
-        ):
-            if repeated[i]:
-                finals[i] = replace(out, finished=FinishReason("stop")) if out.finished is not None else finals[i]
-                continue
+        async for i, out in self._chat_requests(setup, req, rid, is_disconnected, whole=True):
             texts[i] += out.text
             if out.logprobs:
                 lps[i] += out.logprobs
             finals[i] = out
-            if watchers is not None and out.finished is None and out.text:
+            if watchers is not None and out.text:
                 watchers[i].feed(out.text)
-                if watchers[i].repeated:
-                    repeated[i] = True
-                    await self.tm.abort(f"{rid}-{i}")
+                repeated[i] = watchers[i].repeated
         choices = []
         for i, out in enumerate(finals):
             cut = repeated[i] or out.finish_reason in ("length", "abort")
@@ -263,9 +281,7 @@ class OpenAIServing:
         rid = P.random_id("chatcmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        merged = await prefetch_first(
-            self._merged(setup.input_ids, setup.params, req.n, rid, top, is_disconnected, setup.grammar, req.priority)
-        )
+        merged = await prefetch_first(self._chat_requests(setup, req, rid, is_disconnected, whole=False))
         choice_streams = [ChoiceStream(setup.tools, setup.reasoning()) for _ in range(req.n)]
 
         async def stream() -> AsyncIterator[str]:
@@ -288,9 +304,8 @@ class OpenAIServing:
                     cs = choice_streams[i]
                     fields = cs.feed(out.text) if out.text else DeltaFields()
                     base_reason = out.finish_reason
-                    if cs.repeated:
-                        ended[i], base_reason = True, "stop"
-                        await self.tm.abort(f"{rid}-{i}")
+                    if cs.repeated:  # the engine request ended here too: stop, or invalid_output from the last check
+                        ended[i], base_reason = True, base_reason or "stop"
                     elif out.finished is not None:
                         tail = cs.finish(cut=base_reason in ("length", "abort"))
                         fields.reasoning_content += tail.reasoning_content

@@ -5,7 +5,8 @@ JSON schema (or json_object) constraint ran from the first output token and that
 stop string the client asked for, not max_tokens) has its whole text validated with `jsonschema` (the draft its
 `$schema` names, Draft 2020-12 otherwise; formats checked). A failure is never reported as a success: the
 TokenizerManager ends the request with finish_reason ``invalid_output`` and the validation message, and the count
-shows in /get_server_info (``output_checks``).
+shows in /get_server_info (``output_checks``). The tool calls of a chat request made under its tools' grammar are
+checked the same way: each call the response would return, its arguments against its tool's parameters.
 
 Validation runs on a thread of its own pool with a time bound, so a costly schema cannot stall the event loop, and
 `pattern` is matched with the `regex` module under a time limit (Python's `re` would backtrack for hours on
@@ -29,6 +30,12 @@ from jsonschema.exceptions import ValidationError
 
 from gramserve.grammar.schema_normalize import integral_counts
 from gramserve.messages import GrammarRequest
+from gramserve.parsers.tool_calls.base import parameters_of
+from gramserve.server.chat_output import first_calls_until_repeat
+from gramserve.server.tool_requests import ToolPlan
+
+# What an output is held to: the request's JSON constraint, or the tools its calls must fit.
+CheckTarget = GrammarRequest | ToolPlan
 
 logger = logging.getLogger(__name__)
 
@@ -75,16 +82,45 @@ class OutputChecker:
         """Is this constraint's output checked? Only whole-output JSON constraints (not after reasoning)."""
         return grammar is not None and grammar.kind in CHECKED_KINDS and not grammar.start_after
 
-    async def check(self, grammar: GrammarRequest, text: str) -> CheckResult:
+    @classmethod
+    def target(cls, grammar: GrammarRequest | None, tools: ToolPlan | None = None) -> CheckTarget | None:
+        """What the output of a request is checked against, if anything: its JSON constraint, or, for the tool-call
+        grammar of a chat request, the parameter schemas of its tools (the calls' arguments are validated)."""
+        if cls.applies(grammar):
+            return grammar
+        if tools is not None and grammar is not None and grammar.kind == "structural_tag" and not grammar.start_after:
+            return tools
+        return None
+
+    async def check(self, target: CheckTarget, text: str) -> CheckResult:
         try:
-            work = asyncio.get_running_loop().run_in_executor(self._pool, self.check_now, grammar, text)
+            work = asyncio.get_running_loop().run_in_executor(self._pool, self.check_now, target, text)
             result = await asyncio.wait_for(work, self.timeout_s)
         except asyncio.TimeoutError:
             result = CheckResult(False, None)
         self.stats["unchecked" if not result.checked else "invalid" if result.error else "checked"] += 1
         return result
 
-    def check_now(self, grammar: GrammarRequest, text: str) -> CheckResult:
+    def check_now(self, target: CheckTarget, text: str) -> CheckResult:
+        if isinstance(target, ToolPlan):
+            return self._check_calls(target, text)
+        return self._check_json(target.kind, target.text, text)
+
+    def _check_calls(self, plan: ToolPlan, text: str) -> CheckResult:
+        """Each call the response would return (up to a repeat, as chat_output does), against its tool's schema."""
+        tools = {t.name: t for t in plan.tools}
+        checked = True
+        for call in first_calls_until_repeat(plan.new_parser().parse(text).calls):
+            tool = tools.get(call.name)
+            if tool is None:
+                return CheckResult(True, f"the output calls {call.name!r}, which is not among the tools")
+            result = self._check_json("json_schema", json.dumps(parameters_of(tool)), call.arguments)
+            if result.error is not None:
+                return CheckResult(True, f"the arguments of the call to {call.name!r}: {result.error}")
+            checked = checked and result.checked
+        return CheckResult(checked)
+
+    def _check_json(self, kind: str, schema_text: str, text: str) -> CheckResult:
         try:
             # Decimals, not floats: 10000.89 is a multiple of 0.01 as JSON text, not as a binary float.
             value = json.loads(text, parse_float=Decimal)
@@ -94,9 +130,9 @@ class OutputChecker:
             if "integer string conversion" in str(exc):
                 return CheckResult(False)  # JSON, but an integer of more than 4300 digits: Python will not read it
             return CheckResult(True, f"the output is not JSON: {exc}")
-        if grammar.kind == "json_object":
+        if kind == "json_object":
             return CheckResult(True, None if isinstance(value, dict) else "the output is not a JSON object")
-        validator = _validator(grammar.text)
+        validator = _validator(schema_text)
         if validator is None:
             return CheckResult(False)
         try:

@@ -30,8 +30,10 @@ from gramserve.messages import (
     TokenLogprob,
 )
 from gramserve.sampling.params import SamplingParams
+from gramserve.server.chat_output import ChoiceStream
 from gramserve.server.errors import ClientDisconnectedError, EngineError, InvalidRequestError, ServerBusyError
-from gramserve.server.output_check import OutputChecker
+from gramserve.server.output_check import CheckTarget, OutputChecker
+from gramserve.server.tool_requests import ToolPlan
 
 logger = logging.getLogger(__name__)
 
@@ -128,19 +130,24 @@ class TokenizerManager:
         priority: int = 0,
         is_disconnected: Callable[[], Awaitable[bool]] | None = None,
         retry_invalid: bool = False,
+        tools: ToolPlan | None = None,
+        watch_calls: Callable[[], ChoiceStream] | None = None,
     ) -> AsyncIterator[GenerateOutput]:
         """Stream one request's outputs.
 
         With `retry_invalid` (a client that reads the whole response at once), a constrained output that fails the
         last check is sampled again, up to `--grammar-check-retries` times, before ``invalid_output`` is returned:
-        the outputs of an attempt are held until it passes, and only the last attempt's are yielded.
+        the outputs of an attempt are held until it passes, and only the last attempt's are yielded. `tools`: the
+        calls in the output are checked against their tools' schemas. `watch_calls`: a watcher of the output's calls
+        (chat_output.ChoiceStream); an attempt ends, as if stopped, where a call repeats an earlier one.
 
         Trusts `input_ids` and `sampling`: the routes check them once per request (sampling_request.py builds
         validated params, request_checks.check_prompt checks the prompt) and nothing else calls this. The rid
         is checked here, as only this class knows the live ones: a duplicate raises before anything is sent."""
         rid = rid or uuid.uuid4().hex
-        args = (return_logprob, top_logprobs, grammar, priority, is_disconnected)
-        if not (retry_invalid and self.check_retries > 0 and self.output_checker.applies(grammar)):
+        target = self.output_checker.target(grammar, tools)
+        args = (return_logprob, top_logprobs, grammar, priority, is_disconnected, target, watch_calls)
+        if not (retry_invalid and self.check_retries > 0 and target is not None):
             async for out in self._attempt(rid, input_ids, sampling, *args):
                 yield out
             return
@@ -172,6 +179,8 @@ class TokenizerManager:
         grammar: GrammarRequest | None,
         priority: int,
         is_disconnected: Callable[[], Awaitable[bool]] | None,
+        target: CheckTarget | None,
+        watch_calls: Callable[[], ChoiceStream] | None,
     ) -> AsyncIterator[GenerateOutput]:
         """One engine request: send it, stream its outputs, check a constrained output at its end."""
         self.start()
@@ -184,8 +193,8 @@ class TokenizerManager:
         )
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_CHECK_S
-        checked = self.output_checker.applies(grammar)
         text: list[str] = []  # the output so far, for the last check (checked requests only)
+        calls = watch_calls() if watch_calls is not None else None
         try:
             while True:
                 try:
@@ -209,10 +218,17 @@ class TokenizerManager:
                     if fin.status_code == 503:
                         raise ServerBusyError(fin.message or "server busy")
                     raise EngineError(fin.message or "internal error")
-                if checked:
+                if calls is not None and fin is None and out.text:
+                    calls.feed(out.text)
+                    if calls.repeated:  # the choice ends here (chat_output.py): stop the engine request now
+                        self.to_scheduler.send_pyobj(AbortReq(rid))
+                        state.finished = True
+                        out = replace(out, finished=FinishReason("stop"))
+                        fin = out.finished
+                if target is not None:
                     text.append(out.text)
                     if fin is not None and fin.type == "stop" and not isinstance(fin.matched, str):
-                        out = await self._last_check(rid, grammar, "".join(text), out)
+                        out = await self._last_check(rid, target, "".join(text), out)
                 yield out
                 if out.finished is not None:
                     state.finished = True
@@ -222,9 +238,9 @@ class TokenizerManager:
             if not state.finished:
                 self.to_scheduler.send_pyobj(AbortReq(rid))
 
-    async def _last_check(self, rid: str, grammar: GrammarRequest, text: str, out: GenerateOutput) -> GenerateOutput:
+    async def _last_check(self, rid: str, target: CheckTarget, text: str, out: GenerateOutput) -> GenerateOutput:
         """The output ended on its own: if it breaks its schema, it ends as ``invalid_output`` (output_check.py)."""
-        result = await self.output_checker.check(grammar, text)
+        result = await self.output_checker.check(target, text)
         if result.error is None:
             return out
         logger.warning("request %s: constrained output failed the last check: %s", rid, result.error)

@@ -77,6 +77,18 @@ def map_json_schemas(fmt, fn) -> None:
             stack.extend(node)
 
 
+def tag_schemas(text: str) -> list[dict]:
+    """The JSON schemas (object form) inside a structural tag spec, in no particular order."""
+    found: list[dict] = []
+
+    def collect(schema: dict) -> dict:
+        found.append(schema)
+        return schema
+
+    map_json_schemas(normalize(text)["format"], collect)
+    return found
+
+
 class _LarkBuilder:
     """Builds one Lark grammar (plus side grammars for nested EBNF) from a structural tag format."""
 
