@@ -12,6 +12,10 @@ temperature 1.0 (with random weights, an adversarial sampler that walks every br
 * **invalid**: finish_reason ``stop`` but the content does not validate: a broken promise, the number that must be 0;
 * **error**: a 5xx or a transport error.
 
+With ``--as-tools`` each object schema is sent as the parameters of a tool ``f`` with ``tool_choice: "required"``
+instead: valid means finish_reason ``tool_calls`` and every returned call validates (schemas that are not objects
+count as skipped).
+
 The served-relaxed count (``grammar_backend`` ``llguidance:relaxed``) and the server's ``output_checks`` (how often
 the check fired, retries, recoveries) are reported too. With ``--base-url`` it uses a running server; otherwise it
 starts one with ``--server-args`` (default: the tiny random-weight Llama of the tests on the default tokenizer).
@@ -48,7 +52,7 @@ from tests.grammar_eval import category, instance_error  # noqa: E402
 
 DEFAULT_CORPUS = ROOT.parent / "shared" / "corpora" / "jsonschemabench-dev"
 DEFAULT_SERVER = f"--model-path {ROOT / 'tests' / 'data' / 'tiny_llama.json'} --load-format dummy"
-OUTCOMES = ("refused", "valid", "cut", "checked out", "invalid", "error")
+OUTCOMES = ("refused", "valid", "cut", "checked out", "invalid", "error", "skipped")
 
 
 async def one(http: httpx.AsyncClient, args, model: str, i: int, path: Path) -> dict:
@@ -62,7 +66,16 @@ async def one(http: httpx.AsyncClient, args, model: str, i: int, path: Path) -> 
         "seed": args.seed * 1_000_003 + i,
         "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
     }
+    if args.llama_cpp:  # llama-cpp-python's server takes a schema only in this (pre-json_schema) spelling
+        body["response_format"] = {"type": "json_object", "schema": schema}
     row = {"file": path.name, "family": family(category(path))}
+    if args.as_tools:  # the schema as a tool's parameters, the call forced
+        if not (isinstance(schema, dict) and schema.get("type") == "object"):
+            return {**row, "outcome": "skipped"}
+        del body["response_format"]
+        body["messages"][0]["content"] = f"Call the tool f. {str(doc.get('description', ''))[:300]}"
+        body["tools"] = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        body["tool_choice"] = "required"
     t0 = time.monotonic()
     try:
         r = await http.post(args.base_url + "/v1/chat/completions", json=body)
@@ -76,11 +89,19 @@ async def one(http: httpx.AsyncClient, args, model: str, i: int, path: Path) -> 
     data = r.json()
     choice = data["choices"][0]
     content = choice["message"]["content"] or ""
+    if args.as_tools:
+        calls = [c["function"]["arguments"] for c in choice["message"].get("tool_calls") or []]
+        content = calls[0] if calls else content  # the first call's arguments stand for the output (cut: its text)
+        if choice["finish_reason"] == "tool_calls":
+            choice["finish_reason"] = "stop"
+            broken = [why for why in (instance_error(schema, a) for a in calls) if why]
+            if not calls or broken:
+                return {**row, "outcome": "invalid", "detail": broken[0] if broken else "no call", "content": calls}
     row["backend"] = data.get("grammar_backend")
     row["tokens"] = data["usage"]["completion_tokens"]
     finish = choice["finish_reason"]
     if finish == "length":
-        return {**row, "outcome": "cut"}
+        return {**row, "outcome": "cut", "where": cut_site(content), "tail": content[-120:]}
     if finish == "invalid_output":
         return {**row, "outcome": "checked out", "detail": instance_error(schema, content)}
     if finish != "stop":
@@ -108,6 +129,65 @@ async def run(args, files: list[Path]) -> tuple[list[dict], dict]:
         rows = await asyncio.gather(*(bounded(http, model, i, p) for i, p in enumerate(files)))
         info = (await http.get(args.base_url + "/get_server_info")).json()
     return list(rows), info.get("output_checks", {})
+
+
+CUT_SITES = ("string", "key", "number", "whitespace", "array", "object", "other")
+
+
+def cut_site(text: str) -> str:
+    """Where an output cut at max_tokens was when it ran out: inside a string value, an object key, a number, a run
+    of whitespace, between the items of an array or the members of an object (a model that keeps adding items)."""
+    stack: list[str] = []  # open containers: "[" or "{"
+    in_string = escaped = False
+    string_is_key = False
+    last_token = ""  # the kind of the last thing read outside strings
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string, last_token = False, "key" if string_is_key else "value"
+            continue
+        if ch == '"':
+            in_string = True
+            string_is_key = bool(stack) and stack[-1] == "{" and last_token in ("{", ",")
+        elif ch in "[{":
+            stack.append(ch)
+            last_token = ch
+        elif ch in "]}":
+            if stack:
+                stack.pop()
+            last_token = "value"
+        elif ch in ",:":
+            last_token = ch
+        elif not ch.isspace():
+            last_token = "number"  # numbers, true / false / null
+    if in_string:
+        return "key" if string_is_key else "string"
+    if text[-16:].isspace() and len(text) >= 16:
+        return "whitespace"
+    if last_token == "number":
+        return "number"
+    if stack:
+        return "array" if stack[-1] == "[" else "object"
+    return "other"
+
+
+def cut_table(rows: list[dict]) -> str:
+    """Where the cut outputs ran out, per family."""
+    cut = [r for r in rows if r["outcome"] == "cut"]
+    by: dict[str, list[dict]] = defaultdict(list)
+    for r in cut:
+        by[r["family"]].append(r)
+    by["all"] = cut
+    lines = ["| family | cut | " + " | ".join(CUT_SITES) + " |", "|---|" + "---:|" * (len(CUT_SITES) + 1)]
+    for fam in sorted(by, key=lambda f: (f == "all", f)):
+        n = {w: sum(r.get("where") == w for r in by[fam]) for w in CUT_SITES}
+        name = f"**{fam}**" if fam == "all" else fam
+        lines.append(f"| {name} | {len(by[fam])} | " + " | ".join(str(n[w]) for w in CUT_SITES) + " |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -141,6 +221,17 @@ def main() -> int:
     p.add_argument("--server-args", default=DEFAULT_SERVER)
     p.add_argument("--startup-timeout", type=float, default=900)
     p.add_argument("--output-dir", default="benchmarks/results")
+    p.add_argument(
+        "--as-tools",
+        action="store_true",
+        help="send each object schema as the parameters of a tool with tool_choice required (others: skipped); "
+        "valid: every returned call validates",
+    )
+    p.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="--base-url is llama-cpp-python's server (python -m llama_cpp.server): send the schema its way",
+    )
     args = p.parse_args()
     files = sorted(f for root in args.corpus for f in root.glob("*.json"))
     if args.limit and len(files) > args.limit:
@@ -162,6 +253,7 @@ def main() -> int:
     wall = time.monotonic() - t0
     md = table(rows)
     print(md)
+    print("\nWhere the cut outputs ran out:\n" + cut_table(rows))
     print(f"\noutput_checks: {checks}")
     for r in rows:
         if r["outcome"] in ("invalid", "error"):

@@ -132,6 +132,8 @@ class ServerArgs:
     # opt-in bounds on JSON-schema strings / arrays the schema leaves unbounded (against runaway outputs)
     grammar_max_string_length: int | None = None
     grammar_max_array_items: int | None = None
+    # chat: a response_format JSON schema is also written into the system prompt (as OpenAI does for strict schemas)
+    grammar_schema_in_prompt: bool = False
     grammar_max_depth: int = 64  # deepest JSON nesting accepted in a schema
     # Function calling and reasoning
     chat_template: str | None = None  # a Jinja file or template text replacing the tokenizer's
@@ -289,6 +291,12 @@ class ServerArgs:
             type=lambda v: _int_at_least(v, 1),
             default=defaults.grammar_max_array_items,
             help="bound JSON-schema arrays that have no maxItems to this many items (off by default)",
+        )
+        parser.add_argument(
+            "--grammar-schema-in-prompt",
+            action=argparse.BooleanOptionalAction,
+            default=defaults.grammar_schema_in_prompt,
+            help="chat: write a response_format JSON schema into the system prompt too (off by default)",
         )
         parser.add_argument(
             "--grammar-max-whitespace",

@@ -132,3 +132,19 @@ def test_opt_in_bounds_on_unbounded_strings_and_arrays(tokenizer):
     compiled = compile_grammar(b, GrammarRequest("json_schema", text, "llguidance"))
     assert accepts(b, compiled, json.dumps({"s": "abcd"}), tokenizer, check_mask=False)
     assert not accepts(b, compiled, json.dumps({"s": "abcde"}), tokenizer, check_mask=False)
+
+
+def test_what_if_then_else_requires_either_way_stays_required():
+    """Dropping if/then/else keeps the properties both branches require (a GPU run gave {"b": -1} for a schema whose
+    then and else both require a and c)."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"enum": ["x", "y"]}},
+        "if": {"properties": {"c": {"const": "x"}}},
+        "then": {"required": ["a", "b", "c"]},
+        "else": {"required": ["a", "c"]},
+    }
+    relaxed, dropped = relax(schema)
+    assert relaxed["required"] == ["a", "c"] and "if" not in relaxed and len(dropped) == 3
+    assert "required" not in relax({**schema, "else": {"required": ["d"]}})[0]  # nothing in common
+    assert "required" not in relax({k: v for k, v in schema.items() if k != "else"})[0]  # no else: nothing implied

@@ -459,3 +459,39 @@ def test_a_schema_no_grammar_enforces_is_served_relaxed_and_retried(client, mode
     chunks = list(ask(schema, stream=True))
     assert chunks[-1].choices[0].finish_reason == "invalid_output"
     assert json.loads("".join(c.choices[0].delta.content or "" for c in chunks))["n"] == v
+
+
+def test_schema_in_prompt_writes_the_schema_into_the_system_prompt(tmp_path, tokenizer):
+    """--grammar-schema-in-prompt: a chat response_format schema is also written into the system prompt (appended to
+    the client's own system message, or in a system message first): the prompt the model sees is exactly that."""
+    from conftest import start_server
+
+    from gramserve.server.structured_outputs import SCHEMA_INSTRUCTION
+
+    data = Path(__file__).resolve().parent / "data" / "tiny_llama.json"
+    srv = start_server(str(tmp_path), "--model-path", str(data), "--load-format", "dummy", "--grammar-schema-in-prompt")
+    try:
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}
+        fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}
+        user = {"role": "user", "content": "A city, as JSON."}
+        instruction = SCHEMA_INSTRUCTION + json.dumps(schema, ensure_ascii=False)
+        cases = [
+            ([user], fmt, [{"role": "system", "content": instruction}, user]),
+            (
+                [{"role": "system", "content": "Be brief."}, user],
+                fmt,
+                [{"role": "system", "content": "Be brief.\n\n" + instruction}, user],
+            ),
+            ([user], None, [user]),  # no schema: the prompt as it was
+        ]
+        for messages, response_format, seen in cases:
+            body = {"model": "m", "messages": messages, "max_tokens": 3, "temperature": 0}
+            if response_format:
+                body["response_format"] = response_format
+            model = httpx.get(srv.base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            r = httpx.post(srv.base_url + "/v1/chat/completions", json={**body, "model": model}, timeout=120)
+            assert r.status_code == 200, r.text
+            expected = tokenizer.apply_chat_template(seen, add_generation_prompt=True, tokenize=False)
+            assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(expected, add_special_tokens=False))
+    finally:
+        srv.stop()

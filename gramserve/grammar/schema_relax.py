@@ -78,9 +78,25 @@ def relaxable(text: str, kind: str = "json_schema") -> bool:
     return bool(dropped_keywords(text, kind))
 
 
+def _required_either_way(node: dict) -> list[str]:
+    """Properties an if/then/else requires whichever branch applies: those both `then` and `else` require."""
+    then, otherwise = node.get("then"), node.get("else")
+    if not (isinstance(then, dict) and isinstance(otherwise, dict)):
+        return []
+    a, b = then.get("required"), otherwise.get("required")
+    if not (isinstance(a, list) and isinstance(b, list)):
+        return []
+    return [k for k in a if isinstance(k, str) and k in b]
+
+
 def _relax(node: Any, at: str, dropped: list[str]) -> Any:
     if not isinstance(node, dict):
         return node
+    if "if" in node:  # what if/then/else implies either way stays in the grammar (a weaker rule, still implied)
+        common = _required_either_way(node)
+        required = node.get("required") if isinstance(node.get("required"), list) else []
+        if [k for k in common if k not in required]:
+            node["required"] = [*required, *(k for k in common if k not in required)]
     for key in UNGRAMMATICAL:
         if key in node:
             del node[key]

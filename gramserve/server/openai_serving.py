@@ -26,7 +26,7 @@ from gramserve.server.request_checks import (
 )
 from gramserve.server.sampling_request import openai_sampling_params
 from gramserve.server.streaming import SSE_DONE, prefetch_first, sse
-from gramserve.server.structured_outputs import checked_backend, grammar_from_fields
+from gramserve.server.structured_outputs import checked_backend, grammar_from_fields, with_schema_in_prompt
 from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 from gramserve.server.tool_requests import ToolPlan, plan_tools, render_messages, template_supports_tools, tool_grammar
 
@@ -204,6 +204,8 @@ class OpenAIServing:
             grammar = replace(grammar, start_after=self.reasoning_cls.end_marker)
         check_chat_messages(req)
         messages, tools = render_messages(req.messages, plan, self.native_tools, get_tool_call_parser(self.tool_parser))
+        if self.args.grammar_schema_in_prompt and grammar is not None and grammar.kind == "json_schema":
+            messages = with_schema_in_prompt(messages, grammar.text)
         if tools is not None:
             kwargs["tools"] = tools
         input_ids = self.tm.apply_chat_template(

@@ -166,3 +166,23 @@ def grammar_from_fields(fields: dict[str, Any], args: ServerArgs) -> GrammarRequ
     )
     _, kind, text = found[0]
     return GrammarRequest(kind=kind, text=text, backend=checked_backend(backend))
+
+
+SCHEMA_INSTRUCTION = "Answer with JSON that follows this JSON schema:\n"
+
+
+def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """The chat messages with `text` added to the system (or developer) message, or in a system message first."""
+    out = list(messages)
+    if out and out[0].get("role") in ("system", "developer"):
+        out[0] = {**out[0], "content": (str(out[0].get("content") or "") + "\n\n" + text).strip()}
+    else:
+        out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def with_schema_in_prompt(messages: list[dict[str, Any]], schema_text: str) -> list[dict[str, Any]]:
+    """`--grammar-schema-in-prompt`: the response_format schema written into the system prompt, as OpenAI does for
+    strict schemas, so that the model knows the fields it is to fill and where they end (the grammar alone forces
+    the shape but not when a string or array ends: small models run on to max_tokens)."""
+    return with_system_text(messages, SCHEMA_INSTRUCTION + schema_text)

@@ -19,7 +19,7 @@ from gramserve.messages import GrammarRequest
 from gramserve.parsers.tool_calls import ToolCallParser, ToolFunction, get_tool_call_parser
 from gramserve.server import protocol as P
 from gramserve.server.errors import InvalidRequestError
-from gramserve.server.structured_outputs import _schema_text, _structural_tag_text
+from gramserve.server.structured_outputs import _schema_text, _structural_tag_text, with_system_text
 
 ToolMode = Literal["none", "auto", "required", "named"]
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -145,8 +145,4 @@ def render_messages(
         instructions += f"\nYou must call the function {plan.function}."
     elif plan.mode == "required":
         instructions += "\nYou must call at least one function."
-    if out and out[0]["role"] in ("system", "developer"):
-        out[0] = {**out[0], "content": (out[0]["content"] + "\n\n" + instructions).strip()}
-    else:
-        out.insert(0, {"role": "system", "content": instructions})
-    return out, None
+    return with_system_text(out, instructions), None
