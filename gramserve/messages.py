@@ -81,6 +81,9 @@ class GrammarStepResp:
     step: int
     rejected: list[str]  # requests whose accepted token the grammar refused
     fill_ms: float = 0.0
+    # requests whose matcher failed while filling (a backend limit, e.g. llguidance's "too many expressions"): rid ->
+    # the backend's message; their masks allow only EOS, so they must not end as a success
+    failed: dict[str, str] = field(default_factory=dict)
     shard: int = 0  # the grammar worker that answered (answers of one shard come in step order)
 
 

@@ -325,3 +325,25 @@ def test_the_schemas_inside_a_structural_tag_are_audited_and_relaxed(tokenizer):
         assert collect(svc, {"b"})["b"].backend == "llguidance"
     finally:
         svc.close()
+
+
+def test_a_matcher_that_hits_a_backend_limit_is_reported_failed(tokenizer):
+    """llguidance compiles this schema (a corpus schema: a word-count pattern inside a length bound of 5000) but its
+    lexer hits "too many expressions constructed" while filling masks (at the start, or a few characters into the
+    string); its mask then allows only EOS. A GPU run ended such outputs with "stop" in the middle of the string or
+    empty. The step reply now names the request as failed, so the scheduler ends it as an error, never a success."""
+    from gramserve.messages import GrammarStepReq
+
+    text = {"type": "string", "minLength": 1, "maxLength": 5000, "pattern": r"^$|(^(?:\S+\s+){0,99}\S+$)"}
+    schema = {"type": "object", "properties": {"q": text}, "required": ["q"], "additionalProperties": False}
+    svc = make_service(tokenizer)
+    try:
+        assert svc.submit(GrammarCompileReq("a", GrammarRequest("json_schema", json.dumps(schema)))) is None
+        assert collect(svc, {"a"})["a"].error is None
+        replies = [svc.step(GrammarStepReq(0, [], [("a", 0)], []))]
+        for i, token in enumerate(tokenizer.encode('{"q": "abcdef', add_special_tokens=False), start=1):
+            replies.append(svc.step(GrammarStepReq(i, [("a", token)], [("a", 0)], [])))
+        failed = [r.failed for r in replies if r.failed]
+        assert failed and "too many expressions" in failed[0]["a"], replies
+    finally:
+        svc.close()

@@ -495,3 +495,19 @@ def test_schema_in_prompt_writes_the_schema_into_the_system_prompt(tmp_path, tok
             assert r.json()["usage"]["prompt_tokens"] == len(tokenizer.encode(expected, add_special_tokens=False))
     finally:
         srv.stop()
+
+
+def test_a_grammar_its_backend_gives_up_on_is_never_a_success(client, model_name):
+    """llguidance's lexer gives up on this corpus schema ("too many expressions constructed") while filling masks:
+    the answer is a 400 naming that (when it gives up before the first token) or an `abort`, never `stop` with a
+    truncated string (a GPU run returned such outputs before the step reply named failed matchers)."""
+    text = {"type": "string", "minLength": 1, "maxLength": 5000, "pattern": r"^$|(^(?:\S+\s+){0,99}\S+$)"}
+    schema = {"type": "object", "properties": {"q": text}, "required": ["q"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "q", "schema": schema}}
+    messages = [{"role": "user", "content": "Ask me a question, as JSON."}]
+    try:
+        r = client.chat.completions.create(model=model_name, messages=messages, max_tokens=30, response_format=fmt)
+    except openai.BadRequestError as exc:
+        assert "too complex" in str(exc) and "too many expressions" in str(exc), exc
+    else:  # gave up after some tokens: an abort (the last check would have made a "stop" into invalid_output)
+        assert r.choices[0].finish_reason == "abort", r

@@ -470,7 +470,7 @@ class GrammarService:
             m = self.matchers.get(rid)
             if m is None or not m.accept_token(token):
                 rejected.append(rid)
-        rows = []
+        rows, rids = [], []
         for rid, row in req.fill:
             m = self.matchers.get(rid)
             if m is None:
@@ -478,8 +478,10 @@ class GrammarService:
                 rejected.append(rid)
                 continue
             rows.append((m, row))
+            rids.append(rid)
         fill_rows(rows, self.bitmask, self.fill_pool)
-        return GrammarStepResp(req.step, rejected, (time.perf_counter() - t0) * 1e3)
+        failed = {rid: why for rid, (m, _) in zip(rids, rows) if (why := m.error())}
+        return GrammarStepResp(req.step, rejected, (time.perf_counter() - t0) * 1e3, failed=failed)
 
 
 def describe(grammar: GrammarRequest) -> str:

@@ -73,7 +73,7 @@ class GrammarClient:
         self._accept: list[list[tuple[str, int]]] = [[] for _ in range(self.shards)]
         self._free: list[list[str]] = [[] for _ in range(self.shards)]
         self._compiled: list[GrammarCompileResp] = []
-        self._rejected: set[str] = set()
+        self._rejected: dict[str, tuple[str, int]] = {}  # rid -> why its grammar failed it, and the HTTP status
         self._slots = SlotTable(self.bitmask.shape[0])
         self._layout: FedLayout | None = None
         self._feed: FeedWriter | None = None
@@ -192,7 +192,7 @@ class GrammarClient:
     def free(self, rid: str) -> None:
         """The request is done: drop its matcher."""
         self.release_slot(rid)
-        self._rejected.discard(rid)
+        self._rejected.pop(rid, None)
         shard = self._shard_of.pop(rid, None)
         if shard is not None:  # None: never compiled (it failed before)
             self._load[shard] -= 1
@@ -307,13 +307,12 @@ class GrammarClient:
                 raise GrammarWorkerError(f"no mask from the grammar worker for step {step}")
         self.timing["wait_after_forward_ms"] += (time.perf_counter() - t0) * 1e3
 
-    def take_rejected(self, rids) -> set[str]:
-        """Which of `rids` had a token refused by their grammar (an internal error) since last asked."""
+    def take_rejected(self, rids) -> dict[str, tuple[str, int]]:
+        """Which of `rids` their grammar failed since last asked, with why and the status: a token refused (an
+        internal error, 500), or the matcher past a backend limit (the grammar is too complex for it, 400)."""
         if not self._rejected:  # the normal case: no per-request work
-            return set()
-        hit = self._rejected.intersection(rids)
-        self._rejected -= hit
-        return hit
+            return {}
+        return {rid: self._rejected.pop(rid) for rid in rids if rid in self._rejected}
 
     def _receive(self, block: bool) -> bool:
         """Handle one message; False if none came (within the step timeout when blocking)."""
@@ -334,7 +333,10 @@ class GrammarClient:
         sent = self._unanswered[resp.shard]
         while sent and sent[0] <= resp.step:
             sent.popleft()
-        self._rejected.update(resp.rejected)
+        for rid in resp.rejected:
+            self._rejected[rid] = ("the grammar rejected a token (internal error)", 500)
+        for rid, why in resp.failed.items():
+            self._rejected.setdefault(rid, (f"the grammar is too complex for its backend, which stopped: {why}", 400))
         self.timing["replies"] += 1
         self.timing["fill_ms"] += resp.fill_ms
         self.fill_hist.observe(resp.fill_ms)

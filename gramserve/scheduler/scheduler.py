@@ -389,9 +389,8 @@ class Scheduler:
         rejected = self.grammar.take_rejected(r.rid for r in fwd.reqs)
         for req in fwd.reqs if rejected else ():
             if req.rid in rejected and req.finished is None:
-                req.finished = FinishReason(
-                    "abort", message="the grammar rejected a token (internal error)", status_code=500
-                )
+                message, status = rejected[req.rid]
+                req.finished = FinishReason("abort", message=message, status_code=status)
                 self.finished_early.append(req)  # reported by the next step's output
         t0 = time.perf_counter()
         self.mask_applier.apply(fwd.logits, masks.pairs)
