@@ -181,8 +181,11 @@ def unenforced(backend: str, schema_text: str) -> list[str]:
         if isinstance(node.get("pattern"), str) and beyond_regular(node["pattern"]):
             found.add("lookaround or backreferences in a pattern")
         # References are never fetched; xgrammar compiles one it cannot resolve as "any JSON value".
-        if isinstance(node.get("$ref"), str) and not node["$ref"].startswith("#"):
-            found.add(f"a $ref outside the schema ({node['$ref'][:80]})")
+        ref = node.get("$ref")
+        if isinstance(ref, str) and not ref.startswith("#"):
+            found.add(f"a $ref outside the schema ({ref[:80]})")
+        elif isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):  # an anchor name: "any JSON" too
+            found.add(f"a $ref to an anchor ({ref[:80]})")
     return sorted(found)
 
 
