@@ -116,8 +116,9 @@ class Matcher(ABC):
         """True when EOS would be accepted now."""
 
     def error(self) -> str | None:
-        """A message when the backend hit an internal limit/error mid-generation (only EOS is then
-        allowed so that the request can end), else None."""
+        """A message when the backend hit an internal limit/error mid-generation, else None. Only EOS is
+        then allowed; the grammar worker reports the request as failed (GrammarStepResp.failed) and the
+        scheduler ends it as an error, not a success."""
         return None
 
     @classmethod
