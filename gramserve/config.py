@@ -134,6 +134,8 @@ class ServerArgs:
     grammar_max_array_items: int | None = None
     # chat: a response_format JSON schema is also written into the system prompt (as OpenAI does for strict schemas)
     grammar_schema_in_prompt: bool = False
+    # JSON outputs: ban the token that would continue an exact loop (grammar/loop_guard.py); outputs stay valid
+    grammar_loop_guard: bool = True
     grammar_max_depth: int = 64  # deepest JSON nesting accepted in a schema
     # Function calling and reasoning
     chat_template: str | None = None  # a Jinja file or template text replacing the tokenizer's
@@ -297,6 +299,13 @@ class ServerArgs:
             action=argparse.BooleanOptionalAction,
             default=defaults.grammar_schema_in_prompt,
             help="chat: write a response_format JSON schema into the system prompt too (off by default)",
+        )
+        parser.add_argument(
+            "--grammar-loop-guard",
+            action=argparse.BooleanOptionalAction,
+            default=defaults.grammar_loop_guard,
+            help="JSON outputs (response_format, tools): when the output repeats one span of tokens over and over, "
+            "ban the token that would continue it (the grammar still decides what is allowed)",
         )
         parser.add_argument(
             "--grammar-max-whitespace",

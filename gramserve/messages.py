@@ -85,6 +85,7 @@ class GrammarStepResp:
     # the backend's message; their masks allow only EOS, so they must not end as a success
     failed: dict[str, str] = field(default_factory=dict)
     shard: int = 0  # the grammar worker that answered (answers of one shard come in step order)
+    loop_bans: int = 0  # rows whose mask the loop guard narrowed this step (grammar/loop_guard.py)
 
 
 @dataclass

@@ -511,3 +511,28 @@ def test_a_grammar_its_backend_gives_up_on_is_never_a_success(client, model_name
         assert "too complex" in str(exc) and "too many expressions" in str(exc), exc
     else:  # gave up after some tokens: an abort (the last check would have made a "stop" into invalid_output)
         assert r.choices[0].finish_reason == "abort", r
+
+
+def test_the_loop_guard_breaks_a_greedy_loop_inside_a_string(client, model_name, base_url):
+    """Greedy, the default model writes "Github_easy_easy_easy_..." into this description until max_tokens (a corpus
+    schema cut this way in docs/benchmarks.md, issue 19 run 4). The loop guard (on by default) bans the token that
+    continues the loop: the answer ends on its own, valid, and /get_server_info counts the bans."""
+    schema = {
+        "type": "object",
+        "properties": {"title": {"type": "string"}, "description": {"type": "string"}, "order": {"type": "integer"}},
+        "required": ["title", "description", "order"],
+    }
+    before = httpx.get(base_url + "/get_server_info", timeout=30).json()["grammar_timing"]["loop_bans"]
+    out = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Give a JSON instance. sample Github_easy/o11171.json"}],
+        max_tokens=200,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    )
+    content = out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop", content
+    jsonschema.validate(json.loads(content), schema)
+    assert "easy_" * 9 not in content
+    after = httpx.get(base_url + "/get_server_info", timeout=30).json()["grammar_timing"]["loop_bans"]
+    assert after > before

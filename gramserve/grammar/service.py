@@ -42,6 +42,7 @@ from gramserve.grammar.compile_process import (
 )
 from gramserve.grammar.fill import FillPool, fill_rows
 from gramserve.grammar.fill_probe import probe_fill_us
+from gramserve.grammar.loop_guard import LoopGuard
 from gramserve.grammar.schema_relax import dropped_keywords, relaxable
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
 
@@ -65,6 +66,8 @@ SWITCH_MARGIN = 0.75
 # Challengers run one at a time on their own thread, never ahead of compiles that requests wait for; when many new
 # grammars arrive at once, the ones past this many waiting are not challenged.
 MAX_CHALLENGERS = 8
+# The kinds whose outputs the loop guard watches (JSON; a regex or EBNF may mean its repetitions).
+LOOP_GUARDED_KINDS = ("json_schema", "json_object", "structural_tag")
 
 
 @dataclass
@@ -140,6 +143,7 @@ class GrammarService:
         self.chosen = LRU(cache_size)  # auto: (kind, text) -> the backend it picked
         self.failures = LRU(cache_size)
         self.matchers: dict[str, Matcher] = {}
+        self.loop_guards: dict[str, LoopGuard] = {}  # rid -> its guard (options.loop_guard, JSON kinds)
         self.pending: dict[tuple[str, str, str], _Flight] = {}  # compiles in flight, by key
         self._flight_of: dict[str, _Flight] = {}  # rid -> its flight
         self.compile_threads = compile_threads
@@ -296,7 +300,9 @@ class GrammarService:
                     backend,
                     f.probes,
                 )
-        return self._answer_all(f, lambda rid: self._ready(rid, backend, compiled, ms, source, f.probes))
+        return self._answer_all(
+            f, lambda rid: self._ready(rid, f.grammar.kind, backend, compiled, ms, source, f.probes)
+        )
 
     def _answer_all(self, f: _Flight, answer) -> list[GrammarCompileResp]:
         self.pending.pop(f.key, None)
@@ -309,9 +315,13 @@ class GrammarService:
             out.append(resp)
         return out
 
-    def _ready(self, rid: str, backend: str, compiled, ms: float, source: str, probes: dict) -> GrammarCompileResp:
+    def _ready(
+        self, rid: str, kind: str, backend: str, compiled, ms: float, source: str, probes: dict
+    ) -> GrammarCompileResp:
         try:
             self.matchers[rid] = self.backend(backend).matcher(compiled)
+            if self.options.loop_guard and kind in LOOP_GUARDED_KINDS:
+                self.loop_guards[rid] = LoopGuard()
         except Exception as exc:  # noqa: BLE001 - a backend bug must not take the process down
             logger.exception("matcher creation failed")
             return GrammarCompileResp(rid, None, f"{backend}: cannot create a matcher: {exc}")
@@ -451,6 +461,7 @@ class GrammarService:
         if f is not None and rid in f.rids:
             f.rids.remove(rid)
         self.matchers.pop(rid, None)
+        self.loop_guards.pop(rid, None)
 
     def close(self) -> None:
         """Stop the compile workers and threads (running compile threads finish in the background)."""
@@ -466,10 +477,13 @@ class GrammarService:
         rejected = []
         for rid in req.free:
             self.abort(rid)
+        guards = self.loop_guards
         for rid, token in req.accept:
             m = self.matchers.get(rid)
             if m is None or not m.accept_token(token):
                 rejected.append(rid)
+            elif (guard := guards.get(rid)) is not None:
+                guard.accept(token)
         rows, rids = [], []
         for rid, row in req.fill:
             m = self.matchers.get(rid)
@@ -480,8 +494,30 @@ class GrammarService:
             rows.append((m, row))
             rids.append(rid)
         fill_rows(rows, self.bitmask, self.fill_pool)
+        loop_bans = 0
+        if guards:
+            for rid, (_, row) in zip(rids, rows):
+                guard = guards.get(rid)
+                if guard is not None and (banned := guard.banned()):
+                    loop_bans += ban_tokens(self.bitmask[row], banned)
         failed = {rid: why for rid, (m, _) in zip(rids, rows) if (why := m.error())}
-        return GrammarStepResp(req.step, rejected, (time.perf_counter() - t0) * 1e3, failed=failed)
+        ms = (time.perf_counter() - t0) * 1e3
+        return GrammarStepResp(req.step, rejected, ms, failed=failed, loop_bans=loop_bans)
+
+
+def ban_tokens(row: torch.Tensor, tokens: set[int]) -> int:
+    """Clear `tokens` from one int32 bitmask row unless that would leave no token allowed; 1 if any was cleared."""
+    before = row.clone()
+    for t in tokens:
+        word = t >> 5
+        if word < row.shape[0]:
+            row[word] &= ~(1 << (t & 31)) if (t & 31) != 31 else 0x7FFFFFFF
+    if bool((row == before).all()):
+        return 0
+    if not bool(row.any()):
+        row.copy_(before)  # every allowed token continues the loop: the grammar decides
+        return 0
+    return 1
 
 
 def describe(grammar: GrammarRequest) -> str:

@@ -52,6 +52,7 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
             strict_json=args.grammar_strict_json,
             max_string_length=args.grammar_max_string_length,
             max_array_items=args.grammar_max_array_items,
+            loop_guard=args.grammar_loop_guard,
             text_tokens=launch.grammar_text_tokens,
         )
         service = GrammarService(

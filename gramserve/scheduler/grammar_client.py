@@ -85,7 +85,8 @@ class GrammarClient:
         # steps: grammar steps sent (to one shard or more); fed_steps: those whose tokens came through the token
         # feed, repeated_fed_steps: those that reused the last fed step's rows; replies: the shards' answers;
         # fill_ms: accept + fill time in the grammar workers, summed over shards; apply_ms: masking the logits
-        # (the scheduler's MaskApplier; the scheduler adds it here).
+        # (the scheduler's MaskApplier; the scheduler adds it here); loop_bans: rows whose mask the loop guard
+        # narrowed (grammar/loop_guard.py).
         self.timing = {
             "steps": 0,
             "fed_steps": 0,
@@ -94,6 +95,7 @@ class GrammarClient:
             "wait_after_forward_ms": 0.0,
             "apply_ms": 0.0,
             "fill_ms": 0.0,
+            "loop_bans": 0,
         }
         # Compile answers by source (messages.GrammarCompileResp.source; "failed": no backend took it) and by the
         # backend that serves them; the time of each compile that ran (or disk load); each shard reply's fill time.
@@ -339,6 +341,7 @@ class GrammarClient:
             self._rejected.setdefault(rid, (f"the grammar is too complex for its backend, which stopped: {why}", 400))
         self.timing["replies"] += 1
         self.timing["fill_ms"] += resp.fill_ms
+        self.timing["loop_bans"] += resp.loop_bans
         self.fill_hist.observe(resp.fill_ms)
 
     def _count_compile(self, resp: GrammarCompileResp) -> None:

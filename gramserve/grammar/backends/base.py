@@ -94,6 +94,7 @@ class GrammarOptions:
     outlines_max_recursion_depth: int = 3
     max_string_length: int | None = None
     max_array_items: int | None = None
+    loop_guard: bool = False  # the grammar service bans tokens that continue exact loops (grammar/loop_guard.py)
 
 
 class Matcher(ABC):

@@ -1,0 +1,100 @@
+"""The loop guard (grammar/loop_guard.py): exact loops in a JSON output are broken by banning the token that would
+continue them, remembered bans keep the loop from starting over, and the mask never loses its last allowed token.
+
+LoopGuard alone, then GrammarService with llguidance and the default tokenizer (no model); the HTTP test with the
+default model is in test_structured_outputs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import torch
+
+from gramserve.grammar.backends import GrammarOptions
+from gramserve.grammar.loop_guard import MIN_SPAN, LoopGuard
+from gramserve.grammar.service import GrammarService, ban_tokens
+from gramserve.messages import GrammarCompileReq, GrammarRequest, GrammarStepReq
+from gramserve.sampling.bitmask import allocate_bitmask
+from tests.test_grammar_compile_cache import EOS, collect
+
+
+def first_ban(tokens: list[int]) -> tuple[int, set[int]] | None:
+    guard = LoopGuard()
+    for i, t in enumerate(tokens):
+        guard.accept(t)
+        if banned := guard.banned():
+            return i, banned
+    return None
+
+
+def test_a_loop_is_banned_once_it_spans_min_span_tokens():
+    assert first_ban([7] * 40) == (MIN_SPAN - 1, {7})  # one token over and over
+    assert first_ban([1, 2, 3] * 20) == (15, {2})  # 16 tokens (5 periods and one token); next would be 2
+    # a long period needs three whole periods: 3 * 12 tokens
+    period = list(range(100, 112))
+    assert first_ban(period * 5) == (35, {100})
+
+
+def test_text_that_does_not_repeat_is_left_alone():
+    rng = random.Random(0)
+    assert first_ban([rng.randrange(1000) for _ in range(500)]) is None
+    # counting up (item 1, item 2, ...) is not an exact loop
+    assert first_ban([t for i in range(60) for t in (5, 6, 1000 + i)]) is None
+    # a short repetition is fine
+    assert first_ban([1, 2] * 7 + [9]) is None
+
+
+def test_a_broken_loop_cannot_start_over():
+    guard = LoopGuard()
+    for t in [4, 5] * 8:  # loop: 4 5 4 5 ..., banned once it spans 16 tokens
+        guard.accept(t)
+    assert guard.banned() == {4}
+    for t in [8, 9, 10, 4, 5, 4]:  # the model went elsewhere, then back into the loop
+        guard.accept(t)
+    assert guard.banned() == set()  # 4 5 4: the remembered context (5 4 5 4) is not complete yet
+    guard.accept(5)
+    assert guard.banned() == {4}  # ... now it is: the third repeat is banned at once
+
+
+def test_ban_tokens_never_leaves_a_row_empty():
+    row = torch.full((4,), -1, dtype=torch.int32)
+    assert ban_tokens(row, {0, 31, 127}) == 1
+    assert row.tolist() == [0x7FFFFFFE, -1, -1, 0x7FFFFFFF]
+    only = torch.zeros(4, dtype=torch.int32)
+    only[1] = 1 << 3  # token 35 is the only one allowed
+    assert ban_tokens(only, {35}) == 0 and only[1] == 1 << 3
+    assert ban_tokens(only, {36}) == 0  # not allowed anyway: nothing changes
+
+
+def allowed(bitmask: torch.Tensor, row: int, token: int) -> bool:
+    return bool((int(bitmask[row, token >> 5]) >> (token & 31)) & 1)
+
+
+def test_the_service_bans_the_continuation_inside_a_json_string(tokenizer):
+    """A string value that repeats one token: from MIN_SPAN repeats on, the mask no longer allows the repeat (the
+    grammar would), and the step reply counts the ban. A regex request is left alone."""
+    bitmask = allocate_bitmask(2, len(tokenizer))
+    options = GrammarOptions(loop_guard=True)
+    svc = GrammarService(tokenizer, len(tokenizer), [EOS], options, bitmask, fill_threads=0, compile_timeout_s=30.0)
+    schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    try:
+        svc.submit(GrammarCompileReq("j", GrammarRequest("json_schema", json.dumps(schema))))
+        svc.submit(GrammarCompileReq("r", GrammarRequest("regex", "x(ab)*")))
+        assert all(r.error is None for r in collect(svc, {"j", "r"}).values())
+        ab = tokenizer.encode("ab", add_special_tokens=False)
+        assert len(ab) == 1
+        head = tokenizer.encode('{"s": "', add_special_tokens=False)
+        x = tokenizer.encode("x", add_special_tokens=False)
+        steps = [("j", t) for t in head] + [("r", t) for t in x]
+        reply = svc.step(GrammarStepReq(0, steps, [("j", 0), ("r", 1)], []))
+        bans = []
+        for i in range(1, 3 * MIN_SPAN):
+            reply = svc.step(GrammarStepReq(i, [("j", ab[0]), ("r", ab[0])], [("j", 0), ("r", 1)], []))
+            bans.append(reply.loop_bans)
+            assert allowed(bitmask, 1, ab[0])  # the regex keeps its repetitions
+            assert allowed(bitmask, 0, ab[0]) == (i < MIN_SPAN), i
+        assert bans == [0] * (MIN_SPAN - 1) + [1] * (2 * MIN_SPAN)
+    finally:
+        svc.close()
