@@ -5,7 +5,8 @@
 #
 # Starts `gramserve serve` on port 30000, waits for /health (up to 15 min: kernels compile at start-up), runs the
 # benchmark, stops the server. The server log goes to OUT_DIR/server.log. A tokenizer without a chat template
-# (the shapes' configs are served with a borrowed tokenizer) gets benchmarks/templates/chatml.jinja.
+# (the shapes' configs are served with a borrowed tokenizer) gets benchmarks/templates/chatml.jinja. SERVER_ARGS (an
+# environment variable, split on spaces) adds server flags, e.g. SERVER_ARGS="--grammar-shards 2".
 set -u
 config=$1 tokenizer=$2 out=$3
 shift 3
@@ -16,7 +17,7 @@ if ! grep -qs '"chat_template"' "$tokenizer/tokenizer_config.json"; then
 fi
 start=$(date +%s)
 python -m gramserve serve --model-path "$config" --load-format dummy --tokenizer "$tokenizer" "${template[@]}" \
-  --host 127.0.0.1 --port 30000 >"$out/server.log" 2>&1 &
+  --host 127.0.0.1 --port 30000 ${SERVER_ARGS:-} >"$out/server.log" 2>&1 &
 server=$!
 python - "$server" <<'PY' || { tail -30 "$out/server.log"; kill $server; exit 1; }
 import os, sys, time, urllib.request

@@ -14,7 +14,7 @@ stays valid. Its cost is a few comparisons per accepted token.
 
 from __future__ import annotations
 
-MAX_PERIOD = 16  # longest loop (in tokens) recognised
+MAX_PERIOD = 32  # longest loop (in tokens) recognised
 MIN_SPAN = 16  # a loop is this many tokens of one repeated period ...
 MIN_REPEATS = 3  # ... and at least this many whole periods
 MIN_CONTEXT = 4  # a remembered ban matches at least this many preceding tokens
