@@ -77,7 +77,9 @@ async def one(http: httpx.AsyncClient, args, model: str, i: int, path: Path) -> 
     }
     if args.llama_cpp:  # llama-cpp-python's server takes a schema only in this (pre-json_schema) spelling
         body["response_format"] = {"type": "json_object", "schema": schema}
-        body["repeat_penalty"] = args.llama_repeat_penalty  # its default is 1.1; gramserve's sampling has none
+        body["repeat_penalty"] = args.repetition_penalty  # always sent: its own default is 1.1
+    elif args.repetition_penalty != 1.0:
+        body["repetition_penalty"] = args.repetition_penalty
     row = {"file": path.name, "family": family(category(path))}
     if args.as_tools:  # the schema as a tool's parameters, the call forced
         if not (isinstance(schema, dict) and schema.get("type") == "object"):
@@ -251,11 +253,11 @@ def main() -> int:
         help="--base-url is llama-cpp-python's server (python -m llama_cpp.server): send the schema its way",
     )
     p.add_argument(
-        "--llama-repeat-penalty",
+        "--repetition-penalty",
         type=float,
         default=1.0,
-        help="--llama-cpp: its repeat_penalty (1.0, no penalty, samples as gramserve does; llama-cpp-python's own "
-        "default is 1.1)",
+        help="sent as repetition_penalty (gramserve, when not 1.0) or repeat_penalty (--llama-cpp, always: "
+        "llama-cpp-python's own default is 1.1)",
     )
     args = p.parse_args()
     files = sorted(f for root in args.corpus for f in root.glob("*.json"))

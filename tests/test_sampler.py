@@ -623,3 +623,17 @@ def test_seeded_noise_is_a_function_of_seed_and_step():
         assert not torch.equal(n[0], other)
         assert abs(torch.corrcoef(torch.stack([n[0][1:], other[:-1]]))[0, 1]) < 0.05  # not a shifted copy
     assert abs(n.mean().item() - 1.0) < 0.02 and abs(n.std().item() - 1.0) < 0.03
+
+
+def test_seeded_noise_in_place_equals_the_plain_formula():
+    """seeded_exponential computes splitmix64 in place (fewer [rows, vocab] temporaries: 3.5x faster on a CPU for
+    16 or 128 rows of 49k); its bits equal the plain, allocating formula, so seeded outputs did not change."""
+    from gramserve.sampling.seeded_noise import _GOLDEN, _STEP, _mix, _shr, _signed, seeded_exponential
+
+    seeds, steps = [0, 7, 2**64 - 1, 123456789], [0, 3, 9, 400]
+    s = torch.tensor([_signed(x) for x in seeds], dtype=torch.int64)[:, None]
+    t = torch.tensor(steps, dtype=torch.int64)[:, None]
+    ids = torch.arange(5000, dtype=torch.int64)[None, :]
+    z = _mix(_mix(_mix(s * _GOLDEN + _GOLDEN) + t * _STEP) + ids * _GOLDEN)
+    u = (_shr(z, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+    assert torch.equal(seeded_exponential(seeds, steps, 5000, torch.device("cpu")), (-torch.log(u)).to(torch.float32))

@@ -241,17 +241,20 @@ class Sampler:
         t = self._column([max(x, 1e-5) for x in temps], logits.dtype)
         probs = torch.softmax(logits / t[:, None], dim=-1)
         probs = self._filter(probs, rows)
-        noise = torch.empty_like(probs).exponential_()
         seeded = [i for i, r in enumerate(rows) if r.params.seed is not None]
-        if seeded:
-            # A function of (seed, step, token): the same tokens whatever the batch, row or device (seeded_noise.py).
-            drawn = seeded_exponential(
-                [rows[i].params.seed for i in seeded],
-                [len(rows[i].output_ids) for i in seeded],
-                probs.shape[-1],
-                probs.device,
-            )
-            noise[self._column(seeded, torch.long)] = drawn.to(noise.dtype)
+        if not seeded:
+            return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+        # A function of (seed, step, token): the same tokens whatever the batch, row or device (seeded_noise.py).
+        drawn = seeded_exponential(
+            [rows[i].params.seed for i in seeded],
+            [len(rows[i].output_ids) for i in seeded],
+            probs.shape[-1],
+            probs.device,
+        ).to(probs.dtype)
+        if len(seeded) == len(rows):
+            return (probs / drawn).argmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_()
+        noise[self._column(seeded, torch.long)] = drawn
         return (probs / noise).argmax(dim=-1)
 
     def _filter(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

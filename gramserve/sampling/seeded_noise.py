@@ -39,13 +39,27 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
     return z ^ _shr(z, 31)
 
 
+def _mix_inplace(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """`_mix` on a large tensor, in place (`tmp`: scratch of the same shape): the same bits without a new
+    [rows, vocab] int64 tensor per operation (on a CPU the allocations cost more than the arithmetic)."""
+    for shift, mul in ((30, _MIX1), (27, _MIX2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        tmp &= (1 << (64 - shift)) - 1
+        z ^= tmp
+        if mul is not None:
+            z *= mul
+    return z
+
+
 def seeded_exponential(seeds: list[int], steps: list[int], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(seeds), vocab] float32 Exp(1) noise; row i depends only on (seeds[i], steps[i])."""
     s = torch.tensor([_signed(x) for x in seeds], dtype=torch.int64, device=device)[:, None]
     t = torch.tensor(steps, dtype=torch.int64, device=device)[:, None]
-    ids = torch.arange(vocab, dtype=torch.int64, device=device)[None, :]
     # A start per (seed, step), mixed so that rows of nearby seeds or steps are not shifted copies of each other.
-    z = _mix(_mix(s * _GOLDEN + _GOLDEN) + t * _STEP) + ids * _GOLDEN
-    z = _mix(z)
-    u = (_shr(z, 11).to(torch.float64) + 0.5) * (1.0 / (1 << 53))  # uniform in (0, 1), never 0 or 1
-    return (-torch.log(u)).to(torch.float32)
+    start = _mix(_mix(s * _GOLDEN + _GOLDEN) + t * _STEP)
+    z = torch.arange(vocab, dtype=torch.int64, device=device).mul_(_GOLDEN).expand(len(seeds), vocab) + start
+    tmp = torch.empty_like(z)
+    _mix_inplace(z, tmp)
+    bits = torch.bitwise_right_shift(z, 11, out=tmp).bitwise_and_((1 << 53) - 1)
+    u = bits.to(torch.float64).add_(0.5).mul_(1.0 / (1 << 53))  # uniform in (0, 1), never 0 or 1
+    return u.log_().neg_().to(torch.float32)
