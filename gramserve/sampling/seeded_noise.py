@@ -27,21 +27,9 @@ _MIX1 = _signed(0xBF58476D1CE4E5B9)
 _MIX2 = _signed(0x94D049BB133111EB)
 
 
-def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's >> keeps the sign)."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def _mix(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer: every input bit reaches every output bit."""
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    return z ^ _shr(z, 31)
-
-
 def _mix_inplace(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
-    """`_mix` on a large tensor, in place (`tmp`: scratch of the same shape): the same bits without a new
-    [rows, vocab] int64 tensor per operation (on a CPU the allocations cost more than the arithmetic)."""
+    """splitmix64's finalizer (every input bit reaches every output bit), in place (`tmp`: scratch of the same
+    shape): no new [rows, vocab] int64 tensor per operation (on a CPU the allocations cost more than the arithmetic)."""
     for shift, mul in ((30, _MIX1), (27, _MIX2), (31, None)):
         torch.bitwise_right_shift(z, shift, out=tmp)
         tmp &= (1 << (64 - shift)) - 1
@@ -49,6 +37,11 @@ def _mix_inplace(z: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
         if mul is not None:
             z *= mul
     return z
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """`_mix_inplace` on a copy."""
+    return _mix_inplace(z.clone(), torch.empty_like(z))
 
 
 def seeded_exponential(seeds: list[int], steps: list[int], vocab: int, device: torch.device) -> torch.Tensor:
