@@ -104,10 +104,17 @@ class ServerArgs:
     schedule_policy: str = "lpm"  # lpm (longest cached prefix first) | fcfs
     disable_radix_cache: bool = False
     kv_reserve_ratio: float = 0.5  # share of a running request's max_tokens that admission keeps free for it
-    max_queued_requests: int | None = None
+    max_queued_requests: int | None = 2048  # waiting requests past which new ones get a 503 (None: no limit)
     num_threads: int | None = None  # torch threads in the scheduler (None: Settings.scheduler_threads)
     seed: int = 0
     max_n: int = 128  # largest accepted `n`
+    max_request_bytes: int = 16 * 1024 * 1024  # larger request bodies get a 413
+    # a scheduler loop silent this long (seconds) counts as stalled: /health 503, requests in flight fail (503)
+    watchdog_timeout: float = 60.0
+    # SIGTERM / Ctrl-C: requests running may finish for this long (seconds), then the rest fail with a 503
+    shutdown_timeout: float = 30.0
+    # chat_template_kwargs.chat_template: a request may bring its own Jinja template only when this is on
+    allow_request_chat_template: bool = False
     log_level: str = "info"
     # Structured generation
     # auto: llguidance first, xgrammar when llguidance rejects the grammar or its masks measure expensive, then
@@ -234,8 +241,8 @@ class ServerArgs:
         parser.add_argument(
             "--max-queued-requests",
             type=int,
-            default=None,
-            help="waiting requests beyond this get a 503 with Retry-After",
+            default=defaults.max_queued_requests,
+            help="waiting requests beyond this get a 503 with Retry-After (0: no limit)",
         )
         parser.add_argument(
             "--chunked-prefill-size",
@@ -261,6 +268,29 @@ class ServerArgs:
         parser.add_argument("--num-threads", type=int, default=None)
         parser.add_argument("--seed", type=int, default=defaults.seed)
         parser.add_argument("--max-n", type=int, default=defaults.max_n)
+        parser.add_argument(
+            "--max-request-bytes",
+            type=int,
+            default=defaults.max_request_bytes,
+            help="largest request body accepted; larger ones get a 413",
+        )
+        parser.add_argument(
+            "--watchdog-timeout",
+            type=float,
+            default=defaults.watchdog_timeout,
+            help="seconds without a scheduler heartbeat before /health turns 503 and requests in flight fail",
+        )
+        parser.add_argument(
+            "--shutdown-timeout",
+            type=float,
+            default=defaults.shutdown_timeout,
+            help="on SIGTERM / Ctrl-C, seconds running requests may take to finish before they fail with a 503",
+        )
+        parser.add_argument(
+            "--allow-request-chat-template",
+            action="store_true",
+            help="let a request replace the chat template (chat_template_kwargs.chat_template); off: a 400",
+        )
         parser.add_argument("--log-level", default=defaults.log_level)
         parser.add_argument(
             "--grammar-backend",

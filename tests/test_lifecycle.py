@@ -6,14 +6,17 @@ Each server start costs 10-20 s on a small CPU box, so this file starts three.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
+import httpx
 import pytest
 from conftest import ServerProcess, _not_zombie, free_port, start_server
 
@@ -75,8 +78,8 @@ def servers():
             srv.proc.wait()
 
 
-def _start(servers, tmp_path) -> tuple[ServerProcess, list[int]]:
-    srv = start_server(str(tmp_path))
+def _start(servers, tmp_path, *extra: str) -> tuple[ServerProcess, list[int]]:
+    srv = start_server(str(tmp_path), *extra)
     servers.append(srv)
     children = srv.child_pids()
     spawned = [p for p in children if "spawn_main" in _cmdline(p)]
@@ -102,12 +105,80 @@ def test_nonexistent_model_exits_quickly_with_a_clear_message(ipc_tmp):
     assert not glob.glob(os.path.join(ipc_tmp, "gramserve-ipc-*")), "IPC folder left behind"
 
 
+class _Stream:
+    """A long /generate stream read in a thread: its events, and when it ended."""
+
+    def __init__(self, base_url: str, max_new_tokens: int = 3000):
+        self.events: list[dict] = []
+        self.ended_at: float | None = None
+        body = {
+            "text": "Count:",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+        }
+        self.started = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(base_url, body), daemon=True)
+        self._thread.start()
+        assert self.started.wait(60), "the stream did not start"
+
+    def _read(self, base_url: str, body: dict) -> None:
+        try:
+            with httpx.stream("POST", base_url + "/generate", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        self.events.append(json.loads(line[6:]))
+                        self.started.set()
+        except httpx.HTTPError:
+            pass
+        finally:
+            self.ended_at = time.monotonic()
+            self.started.set()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the stream is still open"
+
+    @property
+    def error(self) -> dict | None:
+        return self.events[-1].get("error") if self.events else None
+
+
+def _scheduler_pid(children: list[int]) -> int:
+    spawned = [p for p in children if "spawn_main" in _cmdline(p)]
+    return max(spawned, key=_rss_kb)  # the scheduler holds the model weights: by far the largest child
+
+
+def test_frozen_scheduler_turns_health_503_and_fails_requests(servers, tmp_path):
+    srv, children = _start(servers, tmp_path, "--watchdog-timeout", "3")
+    scheduler = _scheduler_pid(children)
+    stream = _Stream(srv.base_url)
+    os.kill(scheduler, signal.SIGSTOP)
+    try:
+        stopped_at = time.monotonic()
+        stream.join(timeout=30)
+        assert stream.error is not None and "not responded" in stream.error["message"], stream.events[-1:]
+        assert stream.ended_at - stopped_at < 10
+        r = httpx.get(srv.base_url + "/health", timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable", r.text
+        r = httpx.post(srv.base_url + "/generate", json={"text": "hi"}, timeout=10)
+        assert r.status_code == 503 and "not responded" in r.json()["error"]["message"], r.text
+    finally:
+        os.kill(scheduler, signal.SIGCONT)
+    deadline = time.time() + 20
+    while httpx.get(srv.base_url + "/health", timeout=10).status_code != 200:
+        assert time.time() < deadline, "/health did not recover after SIGCONT"
+        time.sleep(0.2)
+    r = httpx.post(srv.base_url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200, r.text
+    assert srv.stop() == 0
+
+
 def test_scheduler_death_stops_the_server(servers, tmp_path, ipc_tmp):
     srv, children = _start(servers, tmp_path)
-    spawned = [p for p in children if "spawn_main" in _cmdline(p)]
-    # The scheduler holds the model weights: by far the largest of the spawned children.
-    scheduler = max(spawned, key=_rss_kb)
-    os.kill(scheduler, signal.SIGKILL)
+    stream = _Stream(srv.base_url)
+    os.kill(_scheduler_pid(children), signal.SIGKILL)
+    stream.join(timeout=15)  # an error event, not a cut connection
+    assert stream.error is not None and "scheduler process died" in stream.error["message"], stream.events[-1:]
 
     try:
         code = srv.proc.wait(timeout=15)
@@ -121,6 +192,23 @@ def test_scheduler_death_stops_the_server(servers, tmp_path, ipc_tmp):
     left = _wait_gone(children, timeout=10)
     assert not left, f"child processes left behind: {_describe(left)}"
     assert not glob.glob(os.path.join(ipc_tmp, "gramserve-ipc-*")), "IPC folder left behind"
+
+
+def test_sigterm_lets_running_requests_finish(servers, tmp_path, ipc_tmp):
+    """Draining: a short request finishes, a new one gets a 503, a long one fails with an error event at the
+    --shutdown-timeout, and the server exits 0."""
+    srv, children = _start(servers, tmp_path, "--shutdown-timeout", "4")
+    short, long = _Stream(srv.base_url, max_new_tokens=8), _Stream(srv.base_url, max_new_tokens=3000)
+    srv.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    r = httpx.post(srv.base_url + "/generate", json={"text": "hi"}, timeout=10)
+    assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"], r.text
+    short.join(timeout=30)
+    assert short.events[-1]["meta_info"]["finish_reason"]["type"] == "length", short.events[-1:]
+    long.join(timeout=30)
+    assert long.error is not None and "shutting down" in long.error["message"], long.events[-1:]
+    assert srv.proc.wait(timeout=30) == 0, srv.log()[-3000:]
+    assert not _wait_gone(children, timeout=10)
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_TEMPERATURE = 100.0  # past it every distribution is uniform in float32; larger values only risk overflow
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+
 
 class SamplingParamsError(ValueError):
     """A client-supplied sampling parameter is out of range; `param` names it."""
@@ -54,8 +58,9 @@ class SamplingParams:
             raise SamplingParamsError("min_tokens must be non-negative", "min_tokens")
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise SamplingParamsError("min_tokens must not exceed max_tokens", "min_tokens")
-        if not self.temperature >= 0.0:
-            raise SamplingParamsError(f"temperature must be non-negative, got {self.temperature}", "temperature")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            message = f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}"
+            raise SamplingParamsError(message, "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
@@ -78,5 +83,7 @@ class SamplingParams:
                 raise SamplingParamsError(f"stop_token_ids entry {tok} is outside the vocabulary", "stop_token_ids")
         if any(not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty", "stop")
-        if len(self.stop) > 16:
-            raise SamplingParamsError("at most 16 stop strings are allowed", "stop")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+        if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise SamplingParamsError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters", "stop")

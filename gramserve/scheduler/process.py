@@ -17,8 +17,9 @@ from gramserve.scheduler.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
-def run_scheduler_process(config: ServerConfig, ready_pipe) -> None:
-    """Entry point of the scheduler process (multiprocessing spawn)."""
+def run_scheduler_process(config: ServerConfig, ready_pipe, heartbeat=None) -> None:
+    """Entry point of the scheduler process (multiprocessing spawn). `heartbeat`: a shared double the loop sets to
+    time.monotonic() at every turn (the main process's /health reads it: server/health.py)."""
     logging.basicConfig(level=config.args.log_level.upper(), format="%(asctime)s [scheduler] %(levelname)s %(message)s")
     exit_when_parent_dies()
     try:
@@ -36,15 +37,17 @@ def run_scheduler_process(config: ServerConfig, ready_pipe) -> None:
     inbox = pull_socket(ctx, config.ipc_path(SCHEDULER_IN))
     to_detok = push_socket(ctx, config.ipc_path(DETOKENIZER_IN))
     ready_pipe.send({"ok": True, "runner": scheduler.runner.info.__dict__})
-    loop(scheduler, inbox, to_detok)
+    loop(scheduler, inbox, to_detok, heartbeat)
 
 
-def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket) -> None:
+def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket, heartbeat=None) -> None:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     if scheduler.grammar is not None:
         poller.register(scheduler.grammar.inbox, zmq.POLLIN)
     while True:
+        if heartbeat is not None:
+            heartbeat.value = time.monotonic()
         idle = not scheduler.has_work
         # Block only when there is nothing to compute (a compile result also wakes us).
         events = dict(poller.poll(timeout=1000 if idle else 0))
@@ -55,7 +58,12 @@ def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket) -> None:
             except zmq.Again:
                 break
             events = {}
-            handle_message(scheduler, msg, to_detok)
+            try:
+                handle_message(scheduler, msg, to_detok)
+            except Exception:  # noqa: BLE001 - one bad message fails its own request, never the loop
+                logger.exception("could not handle %s", type(msg).__name__)
+                if isinstance(msg, TokenizedGenerateReq):
+                    to_detok.send_pyobj(scheduler.reject(msg.rid, "internal error while admitting the request"))
         t0 = time.perf_counter()
         try:
             out = scheduler.step()

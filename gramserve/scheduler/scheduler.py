@@ -89,7 +89,7 @@ class Scheduler:
     def __init__(self, config: ServerConfig, tokenizer, grammar: GrammarClient | None = None):
         self.config = config
         args, settings = config.args, config.settings
-        self.max_queued_requests = args.max_queued_requests
+        self.max_queued_requests = args.max_queued_requests or None  # 0: no limit
         self.grammar = grammar
         self.grammar_wait: dict[str, Req] = {}  # compiling constraints, by rid
         self.tokenizer = tokenizer
@@ -433,6 +433,24 @@ class Scheduler:
             return None
         req.finished = FinishReason("abort", message="aborted")
         return self._output([req])
+
+    def reject(self, rid: str, message: str) -> BatchTokenOut:
+        """The output that fails a request whose arrival could not be handled (it holds no KV yet)."""
+        if self.grammar_wait.pop(rid, None) is not None:
+            self.grammar.free(rid)
+        self.admission.withdraw(rid)
+        return BatchTokenOut(
+            rids=[rid],
+            new_token_ids=[[]],
+            finished=[FinishReason("abort", message=message, status_code=500)],
+            prompt_tokens=[0],
+            completion_tokens=[0],
+            cached_tokens=[0],
+            logprobs=[None],
+            stop_strs=[()],
+            skip_special_tokens=[True],
+            grammar_backends=[None],
+        )
 
     def abort_all(self, message: str) -> BatchTokenOut:
         chunked = self.admission.chunked

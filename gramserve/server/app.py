@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from gramserve.config import ServerConfig
 from gramserve.server.admin_api import admin_router
+from gramserve.server.body_limit import BodyLimitMiddleware
 from gramserve.server.error_handlers import register_error_handlers
 from gramserve.server.native_api import native_router
 from gramserve.server.openai_api import openai_router
@@ -26,4 +27,5 @@ def create_app(config: ServerConfig, tm: TokenizerManager, runner_info: dict) ->
     app.include_router(openai_router(config, tm, runner_info))
     app.include_router(native_router(config.args, tm))
     app.include_router(admin_router(config, tm))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.args.max_request_bytes)
     return app

@@ -16,6 +16,7 @@ from gramserve.server import protocol as P
 from gramserve.server.errors import (
     ClientDisconnectedError,
     EngineError,
+    EngineUnavailableError,
     InvalidRequestError,
     ModelNotServedError,
     ServerBusyError,
@@ -52,7 +53,9 @@ def _on_validation(exc: RequestValidationError) -> JSONResponse:
 
 def _on_http(exc: StarletteHTTPException) -> JSONResponse:
     err_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return error_response(exc.status_code, str(exc.detail), err_type=err_type)
+    resp = error_response(exc.status_code, str(exc.detail), err_type=err_type)
+    resp.headers.update(exc.headers or {})  # a 405's Allow
+    return resp
 
 
 def _on_busy(exc: ServerBusyError) -> JSONResponse:
@@ -77,6 +80,7 @@ ERROR_HANDLERS: dict[type[Exception], Callable[..., JSONResponse]] = {
     ),
     ServerBusyError: _on_busy,
     EngineError: lambda exc: error_response(500, str(exc), err_type="internal_error"),
+    EngineUnavailableError: lambda exc: error_response(503, str(exc), err_type="service_unavailable"),
     Exception: _on_internal,
 }
 

@@ -19,6 +19,10 @@ class ServerBusyError(Exception):
     """The waiting queue is full; becomes a 503 with Retry-After."""
 
 
+class EngineUnavailableError(Exception):
+    """The server cannot serve now (a stalled or dead scheduler, a shutdown); becomes a 503."""
+
+
 class EngineError(Exception):
     """The engine failed the request before producing anything; becomes a 500."""
 

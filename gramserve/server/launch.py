@@ -1,8 +1,10 @@
 """Start the server: resolve the settings, derive the launch record, start the scheduler, detokenizer and grammar
 worker processes, then the HTTP server in this process.
 
-Start-up waits until the scheduler has loaded the model. If a child process dies, the server logs it and
-exits non-zero; on Ctrl-C / SIGTERM the children are stopped too (and they exit on their own if we vanish).
+Start-up waits until the scheduler has loaded the model. If a child process dies, the requests in flight fail with
+a 503 at once, /health turns 503, and the server exits non-zero. On Ctrl-C / SIGTERM the server drains: new
+requests get a 503, running ones may finish for `--shutdown-timeout` seconds, the rest then fail with a 503; the
+children are stopped too (and they exit on their own if we vanish). A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from gramserve.grammar.worker import run_grammar_worker, worker_name
 from gramserve.model.loader import default_tokenizer_dir, load_config_dict, resolve_model
 from gramserve.model.model_config import ModelConfig
 from gramserve.scheduler.process import run_scheduler_process
+from gramserve.server.health import ServerHealth
 from gramserve.server.settings import resolve_settings
 
 logger = logging.getLogger("gramserve")
@@ -142,7 +145,12 @@ def launch_server(args: ServerArgs) -> int:
         shm = create_grammar_shm(settings.max_running_requests, launch.vocab_size)
         config = ServerConfig(args, settings, dataclasses.replace(launch, grammar_shm=shm.name))
         pipes = {}
-        children = [("scheduler", run_scheduler_process), ("detokenizer", run_detokenizer_process)]
+        heartbeat = ctx.Value("d", 0.0, lock=False)  # the scheduler loop's last time.monotonic() (health.py)
+        health = ServerHealth(heartbeat, args.watchdog_timeout)
+        children = [
+            ("scheduler", functools.partial(run_scheduler_process, heartbeat=heartbeat)),
+            ("detokenizer", run_detokenizer_process),
+        ]
         children += [
             (worker_name(i, settings.grammar_shards), functools.partial(run_grammar_worker, shard=i))
             for i in range(settings.grammar_shards)
@@ -156,7 +164,7 @@ def launch_server(args: ServerArgs) -> int:
             _wait_ready(name, procs[name], pipes[name])
         ready = _wait_ready("scheduler", procs["scheduler"], pipes["scheduler"])
         runner_info = ready["runner"]
-        return _serve(config, tokenizer, runner_info, procs)
+        return _serve(config, tokenizer, runner_info, procs, health)
     except (StartupError, ValueError) as exc:
         logger.error("%s", exc)
         return 1
@@ -182,12 +190,17 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _serve(config: ServerConfig, tokenizer, runner_info: dict, procs: dict[str, mp.Process]) -> int:
+FLUSH_S = 1.0  # after failing the requests in flight: time for their error answers to reach the clients
+
+
+def _serve(
+    config: ServerConfig, tokenizer, runner_info: dict, procs: dict[str, mp.Process], health: ServerHealth
+) -> int:
     from gramserve.server.app import create_app
     from gramserve.server.tokenizer_manager import TokenizerManager
 
     args = config.args
-    tm = TokenizerManager(config, tokenizer, runner_info["context_length"], runner_info["vocab_size"])
+    tm = TokenizerManager(config, tokenizer, runner_info["context_length"], runner_info["vocab_size"], health)
     app = create_app(config, tm, runner_info)
     server = _Server(
         uvicorn.Config(
@@ -201,11 +214,29 @@ def _serve(config: ServerConfig, tokenizer, runner_info: dict, procs: dict[str, 
     )
     dead: list[str] = []
 
-    def on_signal(signum, _frame) -> None:
-        logger.info("received %s; shutting down", signal.Signals(signum).name)
-        if server.should_exit:  # second Ctrl-C: stop waiting for in-flight requests
-            server.force_exit = True
+    def drain() -> None:
+        deadline = time.monotonic() + args.shutdown_timeout
+        while tm.in_flight and time.monotonic() < deadline and not server.should_exit:
+            time.sleep(0.1)
+        if tm.in_flight:
+            logger.warning("shutdown: failing %d requests still running", tm.in_flight)
+            tm.fail_all_threadsafe("the server is shutting down")
+            time.sleep(FLUSH_S)
         server.should_exit = True
+
+    def on_signal(signum, _frame) -> None:
+        if health.draining:  # second signal: stop waiting for in-flight requests
+            logger.info("received %s again; stopping now", signal.Signals(signum).name)
+            server.should_exit = server.force_exit = True
+            return
+        logger.info(
+            "received %s; draining (%d requests in flight, up to %.0f s)",
+            signal.Signals(signum).name,
+            tm.in_flight,
+            args.shutdown_timeout,
+        )
+        health.draining = True
+        threading.Thread(target=drain, name="drain", daemon=True).start()
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -216,6 +247,9 @@ def _serve(config: ServerConfig, tokenizer, runner_info: dict, procs: dict[str, 
                 if not proc.is_alive():
                     logger.error("%s process died (exit code %s); shutting down", name, proc.exitcode)
                     dead.append(name)
+                    health.dead_child = name
+                    tm.fail_all_threadsafe(health.problem())
+                    time.sleep(FLUSH_S)
                     server.should_exit = True
                     return
             time.sleep(0.5)

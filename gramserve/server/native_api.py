@@ -12,10 +12,10 @@ from gramserve.config import ServerArgs
 from gramserve.messages import TokenLogprob
 from gramserve.server import protocol as P
 from gramserve.server.errors import InvalidRequestError
-from gramserve.server.request_body import parse_body
+from gramserve.server.request_body import parse_body, read_json_object
 from gramserve.server.request_checks import check_native_prompt, check_prompt
 from gramserve.server.sampling_request import native_sampling_params
-from gramserve.server.streaming import SSE_DONE, prefetch_first
+from gramserve.server.streaming import SSE_DONE, STREAM_ERRORS_PASSED_ON, error_event, prefetch_first
 from gramserve.server.structured_outputs import grammar_from_fields
 from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 
@@ -58,6 +58,10 @@ async def _stream(req: P.GenerateRequest, gen: AsyncIterator[GenerateOutput]) ->
             ids += out.token_ids
             lps += out.logprobs or []
             yield f"data: {json.dumps(_payload(req, text, ids, out, lps))}\n\n"
+    except STREAM_ERRORS_PASSED_ON:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the stream has started: the error is its last event
+        yield error_event(exc)
     finally:
         await gen.aclose()
     yield SSE_DONE
@@ -80,7 +84,7 @@ def native_router(args: ServerArgs, tm: TokenizerManager) -> APIRouter:
     async def generate(request: Request):
         req = await parse_body(request, P.GenerateRequest)
         check_native_prompt(req)
-        input_ids = req.input_ids if req.input_ids is not None else tm.encode(req.text)
+        input_ids = req.input_ids if req.input_ids is not None else await tm.off_loop(tm.encode, req.text)
         sampling = dict(req.sampling_params)
         grammar = grammar_from_fields({k: sampling.pop(k) for k in list(sampling) if k in NATIVE_GRAMMAR_KEYS}, args)
         params = native_sampling_params(sampling, tm.vocab_size)
@@ -104,11 +108,12 @@ def native_router(args: ServerArgs, tm: TokenizerManager) -> APIRouter:
 
     @router.post("/abort_request")
     async def abort_request(request: Request):
-        body = await request.json()
-        rid = body.get("rid") if isinstance(body, dict) else None
-        if not rid:
-            raise InvalidRequestError("rid is required", "rid")
-        found = await tm.abort(rid)
-        return JSONResponse({"rid": rid, "aborted": found}, status_code=200 if found else 404)
+        body = await read_json_object(request)
+        rid = body.get("rid")
+        if not isinstance(rid, str) or not rid:
+            raise InvalidRequestError("rid must be a non-empty string", "rid")
+        # The same answer whether or not the rid exists: the endpoint does not tell which requests run.
+        await tm.abort(rid)
+        return JSONResponse({"rid": rid})
 
     return router

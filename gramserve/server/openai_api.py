@@ -23,9 +23,7 @@ def openai_router(config: ServerConfig, tm: TokenizerManager, runner_info: dict)
             raise ModelNotServedError(f"The model `{name}` does not exist. This server serves `{args.model_name}`.")
 
     def model_card() -> P.ModelCard:
-        return P.ModelCard(
-            id=args.model_name, root=runner_info.get("model_path"), max_model_len=runner_info.get("context_length")
-        )
+        return P.ModelCard(id=args.model_name, root=args.model_name, max_model_len=runner_info.get("context_length"))
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):

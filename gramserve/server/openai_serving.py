@@ -25,7 +25,7 @@ from gramserve.server.request_checks import (
     check_prompt,
 )
 from gramserve.server.sampling_request import openai_sampling_params
-from gramserve.server.streaming import SSE_DONE, prefetch_first, sse
+from gramserve.server.streaming import SSE_DONE, STREAM_ERRORS_PASSED_ON, error_event, prefetch_first, sse
 from gramserve.server.structured_outputs import checked_backend, grammar_from_fields, with_schema_in_prompt
 from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 from gramserve.server.tool_requests import ToolPlan, plan_tools, render_messages, template_supports_tools, tool_grammar
@@ -199,6 +199,11 @@ class OpenAIServing:
                 )
             # tool_choice auto plus response_format: the response format constrains; calls are still parsed.
         kwargs = dict(req.chat_template_kwargs or {})
+        if "chat_template" in kwargs and not self.args.allow_request_chat_template:
+            raise InvalidRequestError(
+                "a request-supplied chat template is not allowed on this server (--allow-request-chat-template)",
+                "chat_template_kwargs",
+            )
         if grammar is not None and self.reasoning_cls is not None and self.reasoning_cls(kwargs).thinking:
             # The model thinks first: the constraint applies from the end of its reasoning on.
             grammar = replace(grammar, start_after=self.reasoning_cls.end_marker)
@@ -238,7 +243,7 @@ class OpenAIServing:
         )
 
     async def chat(self, req: P.ChatCompletionRequest, is_disconnected) -> P.ChatCompletionResponse:
-        setup = self._chat_setup(req)
+        setup = await self.tm.off_loop(self._chat_setup, req)
         top = setup.top_logprobs
         rid = P.random_id("chatcmpl")
         texts = [""] * req.n
@@ -278,7 +283,7 @@ class OpenAIServing:
 
     async def chat_stream(self, req: P.ChatCompletionRequest, is_disconnected) -> AsyncIterator[str]:
         """Validates eagerly (errors raise before the first byte), then returns the SSE stream."""
-        setup = self._chat_setup(req)
+        setup = await self.tm.off_loop(self._chat_setup, req)
         top = setup.top_logprobs
         rid = P.random_id("chatcmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -332,8 +337,10 @@ class OpenAIServing:
                             id=rid, model=self.model_name, choices=[], usage=self._usage(prompt, sum(totals), cached)
                         )
                     )
-            except InvalidRequestError as exc:
-                yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param}})
+            except STREAM_ERRORS_PASSED_ON:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the stream has started: the error is its last event
+                yield error_event(exc)
             finally:
                 await merged.aclose()
             yield SSE_DONE
@@ -348,7 +355,14 @@ class OpenAIServing:
             return [self.tm.encode(p)]
         if not p:
             raise InvalidRequestError("prompt must not be empty", "prompt")
-        if all(isinstance(x, int) for x in p):
+        many = not all(isinstance(x, int) for x in p)
+        if many and len(p) * req.n > self.max_n:  # each prompt x each choice is one engine request
+            raise InvalidRequestError(
+                f"{len(p)} prompts x n={req.n} is more than the {self.max_n} completions one request may ask for "
+                "(--max-n)",
+                "prompt",
+            )
+        if not many:
             return [list(p)]
         if all(isinstance(x, str) for x in p):
             return [self.tm.encode(x) for x in p]
@@ -380,7 +394,7 @@ class OpenAIServing:
         return out
 
     async def completions(self, req: P.CompletionRequest, is_disconnected) -> P.CompletionResponse:
-        setup = self._completion_setup(req)
+        setup = await self.tm.off_loop(self._completion_setup, req)
         rid = P.random_id("cmpl")
         choices, prompt_total, completion_total, cached_total = [], 0, 0, 0
 
@@ -430,7 +444,7 @@ class OpenAIServing:
 
     async def completions_stream(self, req: P.CompletionRequest, is_disconnected) -> AsyncIterator[str]:
         """Validates eagerly (errors raise before the first byte), then returns the SSE stream."""
-        setup = self._completion_setup(req)
+        setup = await self.tm.off_loop(self._completion_setup, req)
         rid = P.random_id("cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         merged = await prefetch_first(
@@ -473,8 +487,10 @@ class OpenAIServing:
                             id=rid, model=self.model_name, choices=[], usage=self._usage(prompt, sum(totals), cached)
                         )
                     )
-            except InvalidRequestError as exc:
-                yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param}})
+            except STREAM_ERRORS_PASSED_ON:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the stream has started: the error is its last event
+                yield error_event(exc)
             finally:
                 await merged.aclose()
             yield SSE_DONE

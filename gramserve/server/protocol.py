@@ -8,6 +8,11 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+# Ranges checked where a request is parsed, so no value can overflow a C integer further in.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # any 64-bit seed, signed or not
+INT32_MAX = (1 << 31) - 1
+MAX_NATIVE_TOP_LOGPROBS = 20  # /generate's top_logprobs_num, as chat's top_logprobs
+
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -49,10 +54,10 @@ class SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict[str, float]] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
     user: Optional[str] = None
     # extensions
-    top_k: Optional[int] = None
+    top_k: Optional[int] = Field(None, ge=-1, le=INT32_MAX)
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     min_tokens: int = 0
@@ -71,7 +76,7 @@ class SamplingFields(BaseModel):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     grammar_backend: Optional[str] = None
-    priority: int = 0  # lower runs first
+    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)  # lower runs first
 
 
 class TextContentPart(BaseModel):
@@ -97,7 +102,7 @@ class ToolCallSpec(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: Optional[Union[str, list[TextContentPart]]] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCallSpec]] = None
@@ -150,6 +155,28 @@ class CompletionRequest(SamplingFields):
     suffix: Optional[str] = None
 
 
+class NativeSamplingParams(BaseModel):
+    """/generate's `sampling_params` (SGLang's names), output-constraint keys taken out: typed, unknown keys refused."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_new_tokens: Optional[int] = None
+    min_new_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = Field(None, ge=-1, le=INT32_MAX)
+    min_p: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    sampling_seed: Optional[int] = Field(None, ge=SEED_MIN, le=SEED_MAX)  # SGLang's name; wins over `seed`
+    logit_bias: Optional[dict[str, float]] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+
+
 class GenerateRequest(BaseModel):
     """SGLang's native endpoint: text or input_ids plus a sampling_params dict."""
 
@@ -159,9 +186,9 @@ class GenerateRequest(BaseModel):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     stream: bool = False
     return_logprob: bool = False
-    top_logprobs_num: int = 0
-    rid: Optional[str] = None
-    priority: int = 0
+    top_logprobs_num: int = Field(0, ge=0, le=MAX_NATIVE_TOP_LOGPROBS)
+    rid: Optional[str] = Field(None, min_length=1, max_length=256)
+    priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
 
 
 # --- responses -------------------------------------------------------------------------------

@@ -1,8 +1,10 @@
-"""Read a request's JSON body into its pydantic model; a body that is not a JSON object is a 400."""
+"""Read a request's JSON body into its pydantic model; a body that is not a JSON object is a 400, as is one nested
+too deep for the parser or holding a lone UTF-16 surrogate (no tokenizer can encode it)."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import TypeVar
 
 from fastapi import Request
@@ -14,14 +16,28 @@ from gramserve.server.errors import InvalidRequestError
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
-async def read_json_object(request: Request) -> dict:
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \uD800-\uDFFF: an emoji's pair, or a lone half
+
+
+def parse_json_object(raw: bytes) -> dict:
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise InvalidRequestError("the request body is not valid JSON") from None
+    except RecursionError:
+        raise InvalidRequestError("the request body nests too deeply") from None
     if not isinstance(body, dict):
         raise InvalidRequestError("the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequestError("the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff)") from None
     return body
+
+
+async def read_json_object(request: Request) -> dict:
+    return parse_json_object(await request.body())
 
 
 async def parse_body(request: Request, model_cls: type[ModelT]) -> ModelT:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 from gramserve.sampling.params import SamplingParams
 from gramserve.server import protocol as P
 from gramserve.server.errors import InvalidRequestError
@@ -17,22 +19,6 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; cha
 
 # Native sampling_params names the builder spells differently (SGLang's names -> OpenAI's).
 _NATIVE_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
-_NATIVE_SAME_NAMES = {
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "seed",
-    "logit_bias",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-}
-NATIVE_SAMPLING_KEYS = frozenset(_NATIVE_RENAMES) | _NATIVE_SAME_NAMES | {"sampling_seed"}
 
 
 def _token_bias(bias: dict[Any, Any] | None) -> dict[int, float]:
@@ -74,7 +60,7 @@ def build_sampling_params(
         min_new_tokens=min_tokens or 0,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
-        top_k=-1 if top_k in (None, 0) else top_k,
+        top_k=-1 if top_k in (None, 0) or top_k >= vocab_size else top_k,  # a k past the vocabulary keeps all
         min_p=min_p or 0.0,
         frequency_penalty=frequency_penalty or 0.0,
         presence_penalty=presence_penalty or 0.0,
@@ -121,13 +107,15 @@ def openai_sampling_params(req: P.SamplingFields, vocab_size: int) -> SamplingPa
 
 def native_sampling_params(sampling_params: dict[str, Any], vocab_size: int) -> SamplingParams:
     """/generate's `sampling_params` (SGLang's names; output-constraint keys already taken out)."""
-    unknown = set(sampling_params) - NATIVE_SAMPLING_KEYS
-    if unknown:
-        raise InvalidRequestError(f"unknown sampling_params: {sorted(unknown)}", "sampling_params")
-    fields = {_NATIVE_RENAMES.get(k, k): v for k, v in sampling_params.items() if k != "sampling_seed"}
-    if "sampling_seed" in sampling_params:  # SGLang's name; wins over `seed`
-        fields["seed"] = sampling_params["sampling_seed"]
     try:
-        return build_sampling_params(vocab_size, **fields)
-    except TypeError as exc:  # native values are not type-checked: e.g. a string temperature
-        raise InvalidRequestError(f"bad sampling_params: {exc}", "sampling_params") from exc
+        typed = P.NativeSamplingParams.model_validate(sampling_params)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err.get("loc", ()))
+        msg = "unknown key" if err.get("type") == "extra_forbidden" else err.get("msg")
+        raise InvalidRequestError(f"sampling_params.{where}: {msg}", "sampling_params") from None
+    fields = typed.model_dump(exclude_none=True, exclude={"sampling_seed"})
+    fields = {_NATIVE_RENAMES.get(k, k): v for k, v in fields.items()}
+    if typed.sampling_seed is not None:
+        fields["seed"] = typed.sampling_seed
+    return build_sampling_params(vocab_size, **fields)

@@ -1,10 +1,15 @@
-"""Server-sent events: the `data:` framing, and prefetch_first, which keeps errors before the first token
-plain HTTP errors."""
+"""Server-sent events: the `data:` framing, the error event that ends a stream which fails after its first byte,
+and prefetch_first, which keeps errors before the first token plain HTTP errors."""
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, AsyncIterator
+
+from gramserve.server.errors import ClientDisconnectedError, EngineError, EngineUnavailableError, InvalidRequestError
+
+logger = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -19,6 +24,24 @@ def sse(data: Any) -> str:
     if not body.isascii():
         body = body.translate(_LINE_BREAKS)  # only inside JSON strings: the characters never occur elsewhere
     return f"data: {body}\n\n"
+
+
+def error_event(exc: Exception) -> str:
+    """The last event of a stream that fails midway: OpenAI's error object, as the SDKs' stream readers expect."""
+    if isinstance(exc, InvalidRequestError):
+        error = {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": None}
+    elif isinstance(exc, EngineUnavailableError):
+        error = {"message": str(exc), "type": "service_unavailable", "param": None, "code": None}
+    elif isinstance(exc, EngineError):
+        error = {"message": str(exc), "type": "internal_error", "param": None, "code": None}
+    else:
+        logger.error("stream failed", exc_info=exc)
+        error = {"message": f"internal server error: {type(exc).__name__}", "type": "internal_error"}
+        error.update(param=None, code=None)
+    return sse({"error": error})
+
+
+STREAM_ERRORS_PASSED_ON = (ClientDisconnectedError,)  # nobody to tell: the stream ends without an event
 
 
 async def prefetch_first(gen: AsyncIterator) -> AsyncIterator:

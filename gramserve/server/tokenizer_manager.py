@@ -1,16 +1,19 @@
 """TokenizerManager: the main process's bridge to the scheduler.
 
-It tokenizes, sends TokenizedGenerateReq to the scheduler and turns the detokenizer's BatchTextOut messages
-back into a per-request async stream. A request whose consumer goes away (client disconnect, cancelled task)
-is aborted so its KV slots come back at once. It trusts the requests it is given: the routes check them first
-(sampling_request.py, request_checks.py).
+It tokenizes (on a small thread pool, `off_loop`, so a long prompt or template never stalls the event loop; a
+text too long for the context is refused before it is tokenized), sends TokenizedGenerateReq to the scheduler
+and turns the detokenizer's BatchTextOut messages back into a per-request async stream. A request whose consumer
+goes away (client disconnect, cancelled task) is aborted so its KV slots come back at once. It trusts the requests
+it is given: the routes check them first (sampling_request.py, request_checks.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
@@ -31,7 +34,14 @@ from gramserve.messages import (
 )
 from gramserve.sampling.params import SamplingParams
 from gramserve.server.chat_output import ChoiceStream
-from gramserve.server.errors import ClientDisconnectedError, EngineError, InvalidRequestError, ServerBusyError
+from gramserve.server.errors import (
+    ClientDisconnectedError,
+    EngineError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    ServerBusyError,
+)
+from gramserve.server.health import ServerHealth
 from gramserve.server.output_check import CheckTarget, OutputChecker
 from gramserve.server.tool_requests import ToolPlan
 
@@ -40,6 +50,8 @@ logger = logging.getLogger(__name__)
 DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request checks that its client is still there
 # A retry after a failed last check samples at least this hot: a greedy retry would repeat the failed output.
 RETRY_MIN_TEMPERATURE = 0.7
+PREP_THREADS = 4  # request preparation (templates, tokenizing, grammar texts) off the event loop
+HEALTH_CHECK_S = 1.0  # how often in-flight requests are failed when the server cannot serve (health.py)
 
 
 @dataclass
@@ -71,7 +83,15 @@ class _ReqState:
 
 
 class TokenizerManager:
-    def __init__(self, config: ServerConfig, tokenizer, context_length: int, vocab_size: int):
+    def __init__(
+        self,
+        config: ServerConfig,
+        tokenizer,
+        context_length: int,
+        vocab_size: int,
+        health: ServerHealth | None = None,
+    ):
+        self.health = health
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.vocab_size = vocab_size
@@ -81,13 +101,44 @@ class TokenizerManager:
         self.states: dict[str, _ReqState] = {}
         self.control_waiters: dict[str, asyncio.Future] = {}
         self._recv_task: asyncio.Task | None = None
+        self._health_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.output_checker = OutputChecker()
         self.check_retries = config.args.grammar_check_retries
         self._retry_of: dict[str, str] = {}  # a request's rid -> the rid of its retry now running (for abort)
+        self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="prep")
+        # A text holds at least len(text) / (longest token's length) tokens: past this it cannot fit the context.
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = context_length * max(longest, 1)
 
     def start(self) -> None:
         if self._recv_task is None:
-            self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+            self._loop = loop = asyncio.get_running_loop()
+            self._recv_task = loop.create_task(self._recv_loop())
+            if self.health is not None:
+                self._health_task = loop.create_task(self._watch_health())
+
+    def fail_all(self, message: str) -> int:
+        """End every request in flight with a 503 (raised by its generator); returns how many there were."""
+        for state in self.states.values():
+            state.queue.put_nowait(EngineUnavailableError(message))
+        return len(self.states)
+
+    def fail_all_threadsafe(self, message: str) -> None:
+        """fail_all from another thread (the launcher's watchdog and signal handling)."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.fail_all, message)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.states)
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_CHECK_S)
+            problem = self.health.problem()
+            if problem is not None and not self.health.draining and self.states:
+                logger.error("%s: failing %d requests in flight", problem, self.fail_all(problem))
 
     # --- tokenization ------------------------------------------------------------------------
 
@@ -108,10 +159,21 @@ class TokenizerManager:
             )
         except Exception as exc:  # noqa: BLE001 - template errors are the client's message shapes
             raise InvalidRequestError(f"cannot apply the chat template: {exc}", "messages") from exc
+        return self.encode(text, "messages")
+
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        if len(text) > self.max_prompt_chars:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.context_length} tokens. However, your prompt is "
+                f"{len(text)} characters long, more than that many tokens can hold.",
+                param,
+            )
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run a request's preparation (template, tokenizing, ...) on the prep threads; the tokenizer releases the
+        GIL, so the event loop keeps serving meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep, functools.partial(fn, *args))
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -184,6 +246,9 @@ class TokenizerManager:
     ) -> AsyncIterator[GenerateOutput]:
         """One engine request: send it, stream its outputs, check a constrained output at its end."""
         self.start()
+        problem = self.health.problem() if self.health is not None else None
+        if problem is not None:
+            raise EngineUnavailableError(problem)
         if rid in self.states:
             raise InvalidRequestError(f"duplicate request id {rid}", "rid")
         state = _ReqState()
@@ -208,6 +273,8 @@ class TokenizerManager:
                         raise ClientDisconnectedError(rid)
                 if out is None:
                     continue
+                if isinstance(out, Exception):  # fail_all: the server cannot finish it
+                    raise out
                 fin = out.finished
                 if fin is not None and fin.status_code is not None and out.completion_tokens == 0:
                     state.finished = True

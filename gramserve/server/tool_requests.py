@@ -22,6 +22,8 @@ from gramserve.server.errors import InvalidRequestError
 from gramserve.server.structured_outputs import _schema_text, _structural_tag_text, with_system_text
 
 ToolMode = Literal["none", "auto", "required", "named"]
+# OpenAI's newer names for roles that chat templates know by the older ones
+_TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -119,6 +121,7 @@ def render_messages(
     parser = plan.new_parser() if plan is not None else parser_cls([])
     for m in messages:
         d = m.model_dump(exclude_none=True, exclude={"tool_calls", "content"})
+        d["role"] = _TEMPLATE_ROLES.get(m.role, m.role)
         d["content"] = _text(m.content)
         if m.tool_calls:
             calls = [_call_dict(c) for c in m.tool_calls]
@@ -127,7 +130,7 @@ def render_messages(
             else:
                 rendered = parser.render_calls([(c["function"]["name"], c["function"]["arguments"]) for c in calls])
                 d["content"] = (d["content"] + "\n" if d["content"] else "") + rendered
-        if m.role == "tool" and not native_tools:
+        if d["role"] == "tool" and not native_tools:
             d = {"role": "user", "content": f"<tool_response>\n{d['content']}\n</tool_response>"}
         out.append(d)
     if plan is None or not plan.parses_calls:

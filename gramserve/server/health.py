@@ -1,0 +1,36 @@
+"""Whether the server can serve: the scheduler's heartbeat, a dead child process, a shutdown in progress.
+
+The scheduler loop writes the monotonic time into a shared double at every turn (at least once a second when
+idle). /health answers 503 while the heartbeat is older than `--watchdog-timeout`, after a child process died,
+and while the server drains for a shutdown; new generation requests get the same 503, and the TokenizerManager
+fails the requests in flight (tokenizer_manager.fail_all) instead of letting them hang.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class ServerHealth:
+    heartbeat: Any  # multiprocessing Value('d'): the scheduler loop's last time.monotonic(); 0 before its first
+    watchdog_timeout: float  # seconds without a heartbeat before the scheduler counts as stalled
+    dead_child: str | None = None
+    draining: bool = False
+
+    def heartbeat_age(self) -> float | None:
+        last = self.heartbeat.value if self.heartbeat is not None else 0.0
+        return time.monotonic() - last if last else None
+
+    def problem(self) -> str | None:
+        """Why the server cannot take requests now; None when it can."""
+        if self.dead_child is not None:
+            return f"the {self.dead_child} process died; the server is stopping"
+        if self.draining:
+            return "the server is shutting down"
+        age = self.heartbeat_age()
+        if age is not None and age > self.watchdog_timeout:
+            return f"the scheduler has not responded for {age:.0f} s"
+        return None

@@ -1,0 +1,181 @@
+"""Hostile input against the real server: every bad value is a 4xx with OpenAI's error JSON, no request takes the
+server down or fails another's, and nothing stalls the event loop (issue 21's defects, one regression test each)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from gramserve.parsers.tool_calls._schema import INLINE_BUDGET, inline_refs
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def _chat(**fields) -> dict:
+    return {"messages": CHAT, "max_tokens": 2, **fields}
+
+
+# (path, JSON body, status, the error's param or None)
+HOSTILE = [
+    ("/v1/chat/completions", _chat(seed=2**64), 400, "seed"),
+    ("/v1/chat/completions", _chat(seed=-(2**63) - 1), 400, "seed"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "sampling_seed": 10**30}}, 400, None),
+    ("/v1/chat/completions", _chat(top_k=1180591620717411303424), 400, "top_k"),
+    ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": -5}, 400, "top_logprobs_num"),
+    ("/generate", {"text": "hi", "return_logprob": True, "top_logprobs_num": 10**6}, 400, "top_logprobs_num"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": "abc"}}, 400, "sampling_params"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": 5}}, 400, "sampling_params"),
+    ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"abc": 1}}}, 400, "logit_bias"),
+    ("/v1/chat/completions", _chat(temperature=1e300), 400, "temperature"),
+    ("/v1/chat/completions", _chat(temperature=1e300, response_format={"type": "json_object"}), 400, "temperature"),
+    ("/v1/chat/completions", _chat(priority=10**30), 400, "priority"),
+    ("/v1/chat/completions", _chat(stop=["x" * 5000]), 400, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("/v1/chat/completions", _chat(chat_template_kwargs={"chat_template": "{{ 'x' }}"}), 400, "chat_template_kwargs"),
+    ("/abort_request", {"rid": ["a"]}, 400, "rid"),
+    ("/v1/chat/completions", _chat(n=10**30), 400, "n"),
+]
+
+RAW = [  # bodies that are not JSON a client library would send
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}', "surrogate"),
+    ("/v1/chat/completions", b"[" * 100_000, "nests too deeply"),
+    ("/abort_request", b"", "not valid JSON"),
+]
+
+
+def _assert_openai_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def _healthy(base_url: str) -> bool:
+    return httpx.get(base_url + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("path,body,status,param", HOSTILE, ids=[f"{p}-{i}" for i, (p, *_) in enumerate(HOSTILE)])
+def test_hostile_values_are_refused_and_the_server_lives(base_url, model_name, path, body, status, param):
+    r = httpx.post(base_url + path, json={"model": model_name, **body}, timeout=60)
+    _assert_openai_error(r, status, param)
+    assert _healthy(base_url)
+
+
+@pytest.mark.parametrize("path,raw,fragment", RAW, ids=[f for *_, f in RAW])
+def test_malformed_bodies_are_400(base_url, path, raw, fragment):
+    r = httpx.post(base_url + path, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert fragment in _assert_openai_error(r, 400)["message"]
+    assert _healthy(base_url)
+
+
+def test_a_bad_request_fails_alone(base_url, model_name):
+    """Bad requests sent while another streams: the stream runs to its end, not to an abort."""
+    body = {"text": "Count:", "stream": True, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+    with httpx.stream("POST", base_url + "/generate", json=body, timeout=120) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        for path, bad, status, param in HOSTILE[:8]:
+            _assert_openai_error(httpx.post(base_url + path, json={"model": model_name, **bad}, timeout=60), status)
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    meta = events[-1]["meta_info"]
+    assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 40, meta
+
+
+def test_new_role_names_are_served(client, model_name):
+    resp = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "developer", "content": "Answer briefly."}, *CHAT],
+        max_tokens=3,
+    )
+    assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_405_names_the_allowed_methods(base_url):
+    r = httpx.get(base_url + "/v1/chat/completions")
+    _assert_openai_error(r, 405)
+    assert r.headers["allow"] == "POST"
+
+
+def test_no_local_paths_or_ipc_names_are_shown(base_url):
+    card = httpx.get(base_url + "/v1/models").json()["data"][0]
+    assert "/" not in (card["root"] or "")
+    info = httpx.get(base_url + "/get_server_info").json()
+    assert not {"ipc_dir", "grammar_shm", "tokenizer_dir"} & set(info["launch"])
+    assert "/" not in (info["runner"]["model_path"] or "")
+    assert "gramserve-ipc" not in json.dumps(info)
+
+
+class _HealthWatch:
+    """Pings /health while a request runs; `worst` is the slowest answer (an event-loop stall shows here)."""
+
+    def __init__(self, base_url: str):
+        self.base_url, self.worst, self._stop = base_url, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t = time.monotonic()
+            httpx.get(self.base_url + "/health", timeout=60)
+            self.worst = max(self.worst, time.monotonic() - t)
+            time.sleep(0.05)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def _ref_bomb(levels: int) -> dict:
+    """Definitions d0..dN, each holding two $refs to the next: 2^N nodes once inlined, from a 2 KB schema."""
+    defs = {}
+    for i in range(levels):
+        ref = {"$ref": f"#/$defs/d{i + 1}"}
+        defs[f"d{i}"] = {"type": "object", "properties": {"a": ref, "b": dict(ref)}}
+    defs[f"d{levels}"] = {"type": "string"}
+    return {"type": "object", "properties": {"x": {"$ref": "#/$defs/d0"}}, "$defs": defs}
+
+
+def test_ref_inlining_stops_at_its_budget():
+    bomb = _ref_bomb(21)
+    t = time.monotonic()
+    assert inline_refs(bomb) is bomb  # past the budget: the references stay, with their definitions
+    assert time.monotonic() - t < 1.0
+    small = _ref_bomb(4)  # 2^4 leaves: inlined
+    out = inline_refs(small)
+    assert "$defs" not in out and out["properties"]["x"]["properties"]["a"]["properties"]["b"]["type"] == "object"
+    assert INLINE_BUDGET >= 1000
+
+
+def test_nothing_stalls_the_event_loop(base_url, model_name):
+    tool = {"type": "function", "function": {"name": "f", "parameters": _ref_bomb(21)}}
+    with _HealthWatch(base_url) as watch:
+        r = httpx.post(
+            base_url + "/v1/chat/completions",
+            json={"model": model_name, "messages": CHAT, "tools": [tool], "max_tokens": 2},
+            timeout=120,
+        )
+        assert r.status_code in (200, 400), r.text
+        r = httpx.post(  # past --max-request-bytes: refused before it is read
+            base_url + "/v1/chat/completions",
+            json={"model": model_name, "messages": [{"role": "user", "content": "word " * 4_000_000}]},
+            timeout=120,
+        )
+        _assert_openai_error(r, 413)
+        r = httpx.post(  # under the byte limit, but more characters than the context can hold: never tokenized
+            base_url + "/v1/chat/completions",
+            json={"model": model_name, "messages": [{"role": "user", "content": "word " * 2_000_000}]},
+            timeout=120,
+        )
+        assert "context length" in _assert_openai_error(r, 400, "messages")["message"]
+        r = httpx.post(base_url + "/generate", json={"text": "word " * 2_000_000}, timeout=120)
+        assert "context length" in _assert_openai_error(r, 400, "prompt")["message"]
+    assert watch.worst < 2.0, f"/health took {watch.worst:.2f} s during the requests"
