@@ -109,6 +109,11 @@ class ServerArgs:
     seed: int = 0
     max_n: int = 128  # largest accepted `n`
     max_request_bytes: int = 16 * 1024 * 1024  # larger request bodies get a 413
+    # Keys (server/auth.py); None: no key asked. The command line defaults them from GRAMSERVE_API_KEY /
+    # GRAMSERVE_ADMIN_API_KEY.
+    api_key: str | None = None
+    admin_api_key: str | None = None  # the only key /flush_cache and /abort_request take, when set
+    metrics_require_key: bool = False  # /metrics open (as /health) unless this is on
     # a scheduler loop silent this long (seconds) counts as stalled: /health 503, requests in flight fail (503)
     watchdog_timeout: float = 60.0
     # SIGTERM / Ctrl-C: requests running may finish for this long (seconds), then the rest fail with a 503
@@ -274,6 +279,18 @@ class ServerArgs:
             default=defaults.max_request_bytes,
             help="largest request body accepted; larger ones get a 413",
         )
+        parser.add_argument(
+            "--api-key",
+            default=os.environ.get("GRAMSERVE_API_KEY") or None,
+            help="every route but /health (and /metrics) asks for 'Authorization: Bearer KEY' "
+            "(default: $GRAMSERVE_API_KEY)",
+        )
+        parser.add_argument(
+            "--admin-api-key",
+            default=os.environ.get("GRAMSERVE_ADMIN_API_KEY") or None,
+            help="the key of /flush_cache and /abort_request (default: $GRAMSERVE_ADMIN_API_KEY; unset: --api-key)",
+        )
+        parser.add_argument("--metrics-require-key", action="store_true", help="/metrics asks for the API key too")
         parser.add_argument(
             "--watchdog-timeout",
             type=float,

@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from conftest import start_server, wait_pool_whole
 
 from gramserve.parsers.tool_calls._schema import INLINE_BUDGET, inline_refs
 
@@ -179,3 +180,49 @@ def test_nothing_stalls_the_event_loop(base_url, model_name):
         r = httpx.post(base_url + "/generate", json={"text": "word " * 2_000_000}, timeout=120)
         assert "context length" in _assert_openai_error(r, 400, "prompt")["message"]
     assert watch.worst < 2.0, f"/health took {watch.worst:.2f} s during the requests"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_leaving_an_n3_request_leaks_nothing(server, base_url, model_name, stream):
+    body = {"model": model_name, "messages": CHAT, "n": 3, "max_tokens": 400, "ignore_eos": True, "stream": stream}
+    with httpx.Client(timeout=1.5) as c:
+        if stream:
+            with c.stream("POST", base_url + "/v1/chat/completions", json=body) as r:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i > 4:
+                        break  # closing the response mid-stream: the client is gone
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                c.post(base_url + "/v1/chat/completions", json=body)
+    pool = wait_pool_whole(base_url)
+    assert pool["used_slots"] == 0 and pool["free_request_rows"] == pool["max_running_requests"], pool
+    assert "asynchronous generator is already running" not in server.log()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory):
+    srv = start_server(str(tmp_path_factory.mktemp("keyed")), "--api-key", "sk-user", "--admin-api-key", "sk-admin")
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def test_api_keys(keyed_server):
+    from openai import AuthenticationError, OpenAI
+
+    url = keyed_server.base_url
+    assert httpx.get(url + "/health").status_code == 200  # open: load balancers probe it
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-user"}):
+        r = httpx.get(url + "/v1/models", headers=headers)
+        assert _assert_openai_error(r, 401)["code"] == "invalid_api_key"
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+    client = OpenAI(base_url=url + "/v1", api_key="sk-user", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    resp = client.chat.completions.create(model=model, messages=CHAT, max_tokens=2)
+    assert resp.choices[0].message.content is not None
+    # Admin routes take the admin key only.
+    user, admin = {"Authorization": "Bearer sk-user"}, {"Authorization": "Bearer sk-admin"}
+    _assert_openai_error(httpx.post(url + "/abort_request", json={"rid": "x"}, headers=user), 401)
+    assert httpx.post(url + "/abort_request", json={"rid": "x"}, headers=admin).status_code == 200
+    info = httpx.get(url + "/get_server_info", headers=user).json()
+    assert info["server_args"]["api_key"] == "(set)" and "sk-" not in json.dumps(info)

@@ -14,6 +14,7 @@ from gramserve.server.tokenizer_manager import TokenizerManager
 # Local paths and IPC names stay inside the server: a client sees a path's last part at most.
 _PATH_ARGS = ("model_path", "tokenizer_path", "grammar_cache_dir", "chat_template")
 _PRIVATE_LAUNCH = ("ipc_dir", "grammar_shm", "tokenizer_dir")
+_SECRET_ARGS = ("api_key", "admin_api_key")
 
 
 def _last_part(value):
@@ -23,6 +24,7 @@ def _last_part(value):
 def public_config(config: ServerConfig) -> dict:
     args = config.args.to_dict()
     args.update({k: _last_part(args[k]) for k in _PATH_ARGS if k in args})
+    args.update({k: "(set)" for k in _SECRET_ARGS if args.get(k)})
     launch = {k: v for k, v in config.launch.to_dict().items() if k not in _PRIVATE_LAUNCH}
     return {"server_args": args, "settings": config.settings.to_dict(), "launch": launch}
 

@@ -9,6 +9,7 @@ from fastapi import FastAPI
 
 from gramserve.config import ServerConfig
 from gramserve.server.admin_api import admin_router
+from gramserve.server.auth import ApiKeyMiddleware, key_policy
 from gramserve.server.body_limit import BodyLimitMiddleware
 from gramserve.server.error_handlers import register_error_handlers
 from gramserve.server.native_api import native_router
@@ -27,5 +28,8 @@ def create_app(config: ServerConfig, tm: TokenizerManager, runner_info: dict) ->
     app.include_router(openai_router(config, tm, runner_info))
     app.include_router(native_router(config.args, tm))
     app.include_router(admin_router(config, tm))
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.args.max_request_bytes)
+    args = config.args
+    app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_bytes)
+    # Added last, so it runs first: a request without its key is refused before its body is read.
+    app.add_middleware(ApiKeyMiddleware, policy=key_policy(args.api_key, args.admin_api_key, args.metrics_require_key))
     return app

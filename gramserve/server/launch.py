@@ -190,6 +190,26 @@ class _Server(uvicorn.Server):
         yield
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def startup_summary(config: ServerConfig, runner_info: dict) -> str:
+    args, settings = config.args, config.settings
+    parts = [
+        f"model {args.model_name}",
+        f"{settings.device} {settings.dtype}",
+        f"attention {settings.attention_backend}",
+        f"KV pool {runner_info['max_total_tokens']} tokens",
+        f"context {runner_info['context_length']}",
+        f"max running {settings.max_running_requests}",
+        f"grammar {args.grammar_backend} ({settings.grammar_shards} workers)",
+        f"tool calls {config.launch.tool_call_parser}",
+        f"reasoning {args.reasoning_parser or 'off'}",
+        f"API key {'on' if args.api_key else 'off'}",
+    ]
+    return f"serving on http://{args.host}:{args.port}: " + ", ".join(parts)
+
+
 FLUSH_S = 1.0  # after failing the requests in flight: time for their error answers to reach the clients
 
 
@@ -255,14 +275,13 @@ def _serve(
             time.sleep(0.5)
 
     threading.Thread(target=watchdog, name="child-watchdog", daemon=True).start()
-    logger.info(
-        "serving %s on http://%s:%d (KV pool %d tokens, context %d)",
-        args.model_name,
-        args.host,
-        args.port,
-        runner_info["max_total_tokens"],
-        runner_info["context_length"],
-    )
+    logger.info("%s", startup_summary(config, runner_info))
+    if args.host not in LOOPBACK_HOSTS and not args.api_key:
+        logger.warning(
+            "listening on %s without an API key: anyone who can reach this port can use the server "
+            "(--api-key or GRAMSERVE_API_KEY)",
+            args.host,
+        )
     server.run()
     if dead:
         return 1

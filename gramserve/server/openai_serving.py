@@ -149,9 +149,10 @@ class OpenAIServing:
                     yield i, item
         finally:
             for t in tasks:
-                t.cancel()
+                t.cancel()  # a pump's generator then ends in its task (its engine request is aborted there)
             for g in gens:
-                await g.aclose()
+                if not g.ag_running:  # one never started, or already done
+                    await g.aclose()
 
     def _usage(self, prompt_tokens: int, completion: int, cached: int) -> P.UsageInfo:
         return P.UsageInfo(
