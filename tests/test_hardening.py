@@ -226,3 +226,48 @@ def test_api_keys(keyed_server):
     assert httpx.post(url + "/abort_request", json={"rid": "x"}, headers=admin).status_code == 200
     info = httpx.get(url + "/get_server_info", headers=user).json()
     assert info["server_args"]["api_key"] == "(set)" and "sk-" not in json.dumps(info)
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_metrics_count_what_the_server_did(base_url, client, model_name):
+    before = httpx.get(base_url + "/metrics").text
+    client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=3, extra_body={"ignore_eos": True})
+    client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=3, response_format={"type": "json_object"}
+    )
+    r = httpx.post(base_url + "/v1/chat/completions", json={"model": model_name, **_chat(regex="(")})
+    assert r.status_code == 400  # a regex that does not compile: a refusal
+    r = httpx.get(base_url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    after = r.text
+    for name in (
+        "gramserve:time_to_first_token_seconds_bucket",
+        "gramserve:inter_token_latency_seconds_count",
+        "gramserve:e2e_request_latency_seconds_sum",
+        "gramserve:num_requests_running",
+        "gramserve:kv_cache_usage_perc",
+        "gramserve:prefix_cache_hits_total",
+        "gramserve:grammar_compile_seconds_bucket",
+        "gramserve:output_checks_total",
+    ):
+        assert name in after, name
+
+    def grew(name: str, by: float, **labels: str) -> bool:
+        return _metric(after, name, **labels) - _metric(before, name, **labels) >= by
+
+    assert grew("gramserve:generation_tokens_total", 5)
+    assert grew("gramserve:request_success_total", 1, finished_reason="length")
+    assert grew("gramserve:constrained_requests_total", 1, kind="json_object")
+    assert grew("gramserve:grammar_refusals_total", 1)
+    assert grew("gramserve:request_failure_total", 1, reason="invalid_request")
+
+
+def test_metrics_are_open_unless_asked(keyed_server):
+    assert httpx.get(keyed_server.base_url + "/metrics").status_code == 200

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from fastapi import APIRouter
@@ -9,12 +10,14 @@ from fastapi.responses import JSONResponse, Response
 
 from gramserve.config import ServerConfig
 from gramserve.server.error_handlers import error_response
+from gramserve.server.metrics import CONTENT_TYPE, exposition
 from gramserve.server.tokenizer_manager import TokenizerManager
 
 # Local paths and IPC names stay inside the server: a client sees a path's last part at most.
 _PATH_ARGS = ("model_path", "tokenizer_path", "grammar_cache_dir", "chat_template")
 _PRIVATE_LAUNCH = ("ipc_dir", "grammar_shm", "tokenizer_dir")
 _SECRET_ARGS = ("api_key", "admin_api_key")
+METRICS_SCHEDULER_TIMEOUT_S = 2.0
 
 
 def _last_part(value):
@@ -53,6 +56,18 @@ def admin_router(config: ServerConfig, tm: TokenizerManager) -> APIRouter:
                 **info,
             }
         )
+
+    @router.get("/metrics")
+    async def metrics():
+        """Prometheus text format (server/metrics.py); the scheduler's part is left out while it does not answer."""
+        try:
+            info = await tm.control("server_info", timeout=METRICS_SCHEDULER_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            info = {}
+        if tm.metrics is None:
+            return error_response(404, "metrics are off on this server", err_type="not_found_error")
+        body = exposition(tm.metrics, info, dict(tm.output_checker.stats))
+        return Response(content=body, media_type=CONTENT_TYPE)
 
     @router.post("/flush_cache")
     async def flush_cache():

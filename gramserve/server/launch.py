@@ -217,10 +217,12 @@ def _serve(
     config: ServerConfig, tokenizer, runner_info: dict, procs: dict[str, mp.Process], health: ServerHealth
 ) -> int:
     from gramserve.server.app import create_app
+    from gramserve.server.metrics import RequestMetrics
     from gramserve.server.tokenizer_manager import TokenizerManager
 
     args = config.args
-    tm = TokenizerManager(config, tokenizer, runner_info["context_length"], runner_info["vocab_size"], health)
+    metrics = RequestMetrics(args.model_name)
+    tm = TokenizerManager(config, tokenizer, runner_info["context_length"], runner_info["vocab_size"], health, metrics)
     app = create_app(config, tm, runner_info)
     server = _Server(
         uvicorn.Config(

@@ -42,6 +42,7 @@ from gramserve.server.errors import (
     ServerBusyError,
 )
 from gramserve.server.health import ServerHealth
+from gramserve.server.metrics import RequestMetrics, RequestWatch
 from gramserve.server.output_check import CheckTarget, OutputChecker
 from gramserve.server.tool_requests import ToolPlan
 
@@ -90,8 +91,10 @@ class TokenizerManager:
         context_length: int,
         vocab_size: int,
         health: ServerHealth | None = None,
+        metrics: RequestMetrics | None = None,
     ):
         self.health = health
+        self.metrics = metrics
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.vocab_size = vocab_size
@@ -181,10 +184,29 @@ class TokenizerManager:
     # --- generation -----------------------------------------------------------------------------
 
     async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *, grammar: GrammarRequest | None = None, **kwargs
+    ) -> AsyncIterator[GenerateOutput]:
+        """`_generate` (below), watched for the request metrics (server/metrics.py) when they are on."""
+        watch = RequestWatch(self.metrics, grammar.kind if grammar else None) if self.metrics is not None else None
+        gen = self._generate(input_ids, sampling, grammar=grammar, watch=watch, **kwargs)
+        try:
+            async for out in gen:
+                if watch is not None and out.finished is not None:
+                    watch.finished(out.finished.type, out.prompt_tokens)
+                yield out
+        except Exception as exc:
+            if watch is not None:
+                _record_failure(watch, exc, grammar)
+            raise
+        finally:
+            await gen.aclose()
+
+    async def _generate(
         self,
         input_ids: list[int],
         sampling: SamplingParams,
         *,
+        watch: RequestWatch | None = None,
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs: int = 0,
@@ -208,7 +230,7 @@ class TokenizerManager:
         is checked here, as only this class knows the live ones: a duplicate raises before anything is sent."""
         rid = rid or uuid.uuid4().hex
         target = self.output_checker.target(grammar, tools)
-        args = (return_logprob, top_logprobs, grammar, priority, is_disconnected, target, watch_calls)
+        args = (return_logprob, top_logprobs, grammar, priority, is_disconnected, target, watch_calls, watch)
         if not (retry_invalid and self.check_retries > 0 and target is not None):
             async for out in self._attempt(rid, input_ids, sampling, *args):
                 yield out
@@ -243,6 +265,7 @@ class TokenizerManager:
         is_disconnected: Callable[[], Awaitable[bool]] | None,
         target: CheckTarget | None,
         watch_calls: Callable[[], ChoiceStream] | None,
+        watch: RequestWatch | None,
     ) -> AsyncIterator[GenerateOutput]:
         """One engine request: send it, stream its outputs, check a constrained output at its end."""
         self.start()
@@ -275,6 +298,8 @@ class TokenizerManager:
                     continue
                 if isinstance(out, Exception):  # fail_all: the server cannot finish it
                     raise out
+                if watch is not None:
+                    watch.tokens(len(out.token_ids))
                 fin = out.finished
                 if fin is not None and fin.status_code is not None and out.completion_tokens == 0:
                     state.finished = True
@@ -363,6 +388,20 @@ class TokenizerManager:
                     grammar_backend=msg.grammar_backends[i] if msg.grammar_backends else None,
                 )
             )
+
+
+def _record_failure(watch: RequestWatch, exc: Exception, grammar: GrammarRequest | None) -> None:
+    if isinstance(exc, InvalidRequestError):
+        refused = grammar is not None and exc.param == "response_format"
+        watch.failed("invalid_request", refusal=str(exc) if refused else None)
+    elif isinstance(exc, ServerBusyError):
+        watch.failed("queue_full")
+    elif isinstance(exc, EngineUnavailableError):
+        watch.failed("unavailable")
+    elif isinstance(exc, ClientDisconnectedError):
+        watch.failed("client_disconnected")
+    else:
+        watch.failed("internal")
 
 
 def _resampled(sampling: SamplingParams, attempt: int) -> SamplingParams:

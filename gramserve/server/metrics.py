@@ -1,0 +1,187 @@
+"""Prometheus metrics for GET /metrics, named in vLLM's style with a `gramserve:` prefix.
+
+Two sources, one exposition:
+- Request metrics live in the main process, which sees every request from arrival to its last token (TTFT,
+  inter-token latency, end-to-end latency, token counters, finish reasons, refusals, failures): prometheus-client
+  counters and histograms in a registry of their own (`RequestMetrics`).
+- Scheduler and grammar metrics (running / queued requests, KV use, prefix-cache hits, grammar compile and fill
+  histograms, cache hits) are read from the scheduler at scrape time, from the same report as /get_server_info,
+  and turned into metric families (`scheduler_families`). No metric files are shared between processes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+PREFIX = "gramserve:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Seconds; vLLM's buckets for the same histograms, so dashboards built for them read ours.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 300.0)
+
+
+def refusal_reason(message: str) -> str:
+    """A grammar refusal's message, reduced to a label of few values."""
+    low = message.lower()
+    if "time" in low and "out" in low:
+        return "compile_timeout"
+    if "unimplemented" in low or "unsupported" in low or "not supported" in low:
+        return "unsupported"
+    return "invalid"
+
+
+class RequestMetrics:
+    """What the main process records per engine request (TokenizerManager calls these)."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.model = model_name
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated")
+        self.request_success = counter("request_success", "Requests finished, by finish reason", ("finished_reason",))
+        self.request_failure = counter("request_failure", "Requests that ended in an error, by reason", ("reason",))
+        self.constrained = counter("constrained_requests", "Requests with an output constraint, by kind", ("kind",))
+        self.grammar_refusals = counter("grammar_refusals", "Output constraints refused, by reason", ("reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Time to the first token", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two output tokens", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token", E2E_BUCKETS)
+
+    def started(self, grammar_kind: str | None) -> None:
+        if grammar_kind is not None:
+            self.constrained.labels(self.model, grammar_kind).inc()
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.labels(self.model).observe(seconds)
+
+    def tokens(self, count: int, seconds: float) -> None:
+        """`count` tokens arrived together, `seconds` after the previous ones: each counts as seconds / count."""
+        self.generation_tokens.labels(self.model).inc(count)
+        if seconds > 0 and count > 0:
+            child = self.itl.labels(self.model)
+            for _ in range(count):
+                child.observe(seconds / count)
+
+    def finished(self, reason: str, prompt_tokens: int, seconds: float) -> None:
+        self.request_success.labels(self.model, reason).inc()
+        self.prompt_tokens.labels(self.model).inc(prompt_tokens)
+        self.e2e.labels(self.model).observe(seconds)
+
+    def failed(self, reason: str) -> None:
+        self.request_failure.labels(self.model, reason).inc()
+
+    def refused(self, message: str) -> None:
+        self.grammar_refusals.labels(self.model, refusal_reason(message)).inc()
+
+
+class RequestWatch:
+    """One request's timeline, as the TokenizerManager sees its outputs arrive."""
+
+    def __init__(self, metrics: RequestMetrics, grammar_kind: str | None):
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.last: float | None = None
+        metrics.started(grammar_kind)
+
+    def tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        if self.last is None:
+            self.metrics.first_token(now - self.start)
+            self.metrics.tokens(count, 0.0)
+        else:
+            self.metrics.tokens(count, now - self.last)
+        self.last = now
+
+    def finished(self, reason: str, prompt_tokens: int) -> None:
+        self.metrics.finished(reason, prompt_tokens, time.monotonic() - self.start)
+
+    def failed(self, reason: str, refusal: str | None = None) -> None:
+        self.metrics.failed(reason)
+        if refusal is not None:
+            self.metrics.refused(refusal)
+
+
+def _histogram_family(name: str, doc: str, report: dict, model: str) -> HistogramMetricFamily | None:
+    """A /get_server_info histogram report (milliseconds, non-cumulative "<= bound" buckets) in seconds."""
+    if not isinstance(report, dict) or not report.get("count"):
+        return None
+    cumulative, running = [], 0
+    finite = sorted((float(k[3:]), v) for k, v in (report.get("buckets_ms") or {}).items() if k.startswith("<= "))
+    for bound_ms, count in finite:
+        running += count
+        cumulative.append((f"{bound_ms / 1000:g}", running))
+    cumulative.append(("+Inf", report["count"]))
+    family = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
+    family.add_metric([model], cumulative, sum_value=report.get("sum_ms", 0.0) / 1000)
+    return family
+
+
+def scheduler_families(info: dict, output_checks: dict, model: str) -> Iterable[Metric]:
+    """Metric families from the scheduler's report (Scheduler.server_info) and the output checker's counts."""
+
+    def gauge(name: str, doc: str, value) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([model], float(value or 0))
+        return family
+
+    def counter(name: str, doc: str, value, **labels: str) -> CounterMetricFamily:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", *labels])
+        family.add_metric([model, *labels.values()], float(value or 0))
+        return family
+
+    pool, cache, stats = info.get("kv_pool", {}), info.get("prefix_cache", {}), info.get("stats", {})
+    yield gauge("num_requests_running", "Requests in the running batch", info.get("num_running"))
+    yield gauge("num_requests_waiting", "Requests waiting for admission", info.get("num_waiting"))
+    compiling = info.get("num_grammar_compiling")
+    yield gauge("num_requests_grammar_compiling", "Requests waiting for their grammar", compiling)
+    total = pool.get("total_slots") or 0
+    usage = pool.get("used_slots", 0) / total if total else 0
+    yield gauge("kv_cache_usage_perc", "Share of KV slots held by running requests", usage)
+    yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", cache.get("query_tokens"))
+    yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", cache.get("hit_tokens"))
+    yield counter("num_preemptions", "Requests sent back to the queue for lack of KV", stats.get("retractions"))
+    compiles = info.get("grammar_compiles") or {}
+    for source in ("compiled", "shared", "cache", "disk", "failed"):
+        doc = "Grammar requests by how they were answered"
+        yield counter("grammar_compiles", doc, compiles.get(source), source=source)
+    timing = info.get("grammar_timing") or {}
+    yield counter("grammar_loop_bans", "Masks narrowed by the loop guard", timing.get("loop_bans"))
+    for name, key, doc in (
+        ("grammar_compile_seconds", "grammar_compile_ms", "Grammar compile time"),
+        ("grammar_fill_seconds", "grammar_fill_ms_per_reply", "Grammar mask fill time per step"),
+    ):
+        family = _histogram_family(name, doc, info.get(key), model)
+        if family is not None:
+            yield family
+    for result in ("checked", "invalid", "unchecked", "retried", "recovered"):
+        doc = "Last checks of constrained outputs, by result"
+        yield counter("output_checks", doc, output_checks.get(result), result=result)
+
+
+class _Snapshot:
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+def exposition(request_metrics: RequestMetrics, info: dict, output_checks: dict) -> bytes:
+    snapshot = CollectorRegistry()
+    snapshot.register(_Snapshot(list(scheduler_families(info, output_checks, request_metrics.model))))
+    return generate_latest(request_metrics.registry) + generate_latest(snapshot)
