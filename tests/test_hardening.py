@@ -4,8 +4,10 @@ server down or fails another's, and nothing stalls the event loop (issue 21's de
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -242,7 +244,7 @@ def test_metrics_count_what_the_server_did(base_url, client, model_name):
     client.chat.completions.create(
         model=model_name, messages=CHAT, max_tokens=3, response_format={"type": "json_object"}
     )
-    r = httpx.post(base_url + "/v1/chat/completions", json={"model": model_name, **_chat(regex="(")})
+    r = httpx.post(base_url + "/v1/chat/completions", json={"model": model_name, **_chat(regex="(")}, timeout=120)
     assert r.status_code == 400  # a regex that does not compile: a refusal
     r = httpx.get(base_url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
@@ -271,3 +273,28 @@ def test_metrics_count_what_the_server_did(base_url, client, model_name):
 
 def test_metrics_are_open_unless_asked(keyed_server):
     assert httpx.get(keyed_server.base_url + "/metrics").status_code == 200
+
+
+def test_request_ids_and_the_access_log(server, base_url, model_name):
+    body = {"model": model_name, "messages": CHAT, "max_tokens": 2}
+    r = httpx.post(base_url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "client-id-7"}, timeout=60)
+    assert r.headers["x-request-id"] == "client-id-7" and r.json()["id"] == "chatcmpl-client-id-7"
+    r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.json()["id"] == "chatcmpl-" + r.headers["x-request-id"]
+    r = httpx.post(base_url + "/v1/chat/completions", json={"messages": []}, headers={"X-Request-Id": "bad one!"})
+    assert r.status_code == 400 and r.headers["x-request-id"] != "bad one!"  # not a sane id: a fresh one
+    # The same id twice at once: both run (their engine requests get distinct ids).
+    with ThreadPoolExecutor(2) as pool:
+        codes = list(
+            pool.map(
+                lambda _: (
+                    httpx.post(
+                        base_url + "/v1/chat/completions", json=body, headers={"X-Request-Id": "twice"}, timeout=60
+                    ).status_code
+                ),
+                range(2),
+            )
+        )
+    assert codes == [200, 200]
+    time.sleep(0.2)
+    assert re.search(r"client-id-7 POST /v1/chat/completions 200 [0-9.]+ ms", server.log())

@@ -13,8 +13,10 @@ from gramserve.ipc import DETOKENIZER_IN, SCHEDULER_IN, exit_when_parent_dies, p
 from gramserve.messages import AbortReq, ControlReq, ControlResp, TokenizedGenerateReq
 from gramserve.scheduler.grammar_client import GrammarClient
 from gramserve.scheduler.scheduler import Scheduler
+from gramserve.scheduler.stats import status_line
 
 logger = logging.getLogger(__name__)
+STATUS_INTERVAL_S = 10.0  # a one-line status at INFO this often while there is work
 
 
 def run_scheduler_process(config: ServerConfig, ready_pipe, heartbeat=None) -> None:
@@ -45,9 +47,17 @@ def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket, heartbea
     poller.register(inbox, zmq.POLLIN)
     if scheduler.grammar is not None:
         poller.register(scheduler.grammar.inbox, zmq.POLLIN)
+    last_report, last_status = scheduler.server_info(), time.monotonic()
     while True:
+        now = time.monotonic()
         if heartbeat is not None:
-            heartbeat.value = time.monotonic()
+            heartbeat.value = now
+        if now - last_status >= STATUS_INTERVAL_S:
+            report = scheduler.server_info()
+            line = status_line(last_report, report, now - last_status)
+            if line is not None:
+                logger.info("%s", line)
+            last_report, last_status = report, now
         idle = not scheduler.has_work
         # Block only when there is nothing to compute (a compile result also wakes us).
         events = dict(poller.poll(timeout=1000 if idle else 0))

@@ -111,3 +111,23 @@ NO_GRAMMAR_REPORT = {
     "grammar_requests_per_shard": [],
     "grammar_live_requests": 0,
 }
+
+
+def status_line(prev: dict, now: dict, seconds: float) -> str | None:
+    """One line on what the scheduler did between two server_info reports; None when it did nothing."""
+    a, b = prev.get("stats", {}), now.get("stats", {})
+    generated = b.get("generation_tokens", 0) - a.get("generation_tokens", 0)
+    prompt = b.get("prompt_tokens", 0) - a.get("prompt_tokens", 0)
+    busy = now.get("num_running") or now.get("num_waiting") or now.get("num_grammar_compiling")
+    if not (generated or prompt or busy):
+        return None
+    pool = now.get("kv_pool", {})
+    used = pool.get("used_slots", 0) / pool["total_slots"] if pool.get("total_slots") else 0.0
+    ga, gb = prev.get("grammar_timing") or {}, now.get("grammar_timing") or {}
+    steps = gb.get("steps", 0) - ga.get("steps", 0)
+    fill = (gb.get("fill_ms", 0.0) - ga.get("fill_ms", 0.0)) / steps if steps else 0.0
+    return (
+        f"status: running {now.get('num_running', 0)}, waiting {now.get('num_waiting', 0)}, "
+        f"compiling {now.get('num_grammar_compiling', 0)}, generation {generated / seconds:.1f} tok/s, "
+        f"prompt {prompt / seconds:.1f} tok/s, KV use {used:.0%}, grammar fill {fill:.2f} ms/step"
+    )

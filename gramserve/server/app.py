@@ -14,6 +14,7 @@ from gramserve.server.body_limit import BodyLimitMiddleware
 from gramserve.server.error_handlers import register_error_handlers
 from gramserve.server.native_api import native_router
 from gramserve.server.openai_api import openai_router
+from gramserve.server.request_id import RequestIdMiddleware
 from gramserve.server.tokenizer_manager import TokenizerManager
 
 
@@ -30,6 +31,7 @@ def create_app(config: ServerConfig, tm: TokenizerManager, runner_info: dict) ->
     app.include_router(admin_router(config, tm))
     args = config.args
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_bytes)
-    # Added last, so it runs first: a request without its key is refused before its body is read.
+    # Added after, so it runs before: a request without its key is refused before its body is read.
     app.add_middleware(ApiKeyMiddleware, policy=key_policy(args.api_key, args.admin_api_key, args.metrics_require_key))
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer, refusals included, has an id and a log line
     return app

@@ -230,6 +230,7 @@ def _serve(
             host=args.host,
             port=args.port,
             log_level=args.log_level.lower(),
+            access_log=False,  # server/request_id.py writes one with the request id and the latency
             timeout_keep_alive=30,
             timeout_graceful_shutdown=5,
         )

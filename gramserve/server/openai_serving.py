@@ -24,6 +24,7 @@ from gramserve.server.request_checks import (
     check_openai_options,
     check_prompt,
 )
+from gramserve.server.request_id import engine_rid_base, response_id
 from gramserve.server.sampling_request import openai_sampling_params
 from gramserve.server.streaming import SSE_DONE, STREAM_ERRORS_PASSED_ON, error_event, prefetch_first, sse
 from gramserve.server.structured_outputs import checked_backend, grammar_from_fields, with_schema_in_prompt
@@ -102,11 +103,12 @@ class OpenAIServing:
         arrive. `whole`: the response is sent whole (not streamed), so a constrained output that fails the last
         check may be sampled again (TokenizerManager.generate). `tools`: the calls' arguments are checked too;
         `watch_calls`: a choice ends at a repeated call."""
+        base = engine_rid_base(rid)
         gens = [
             self.tm.generate(
                 input_ids,
                 _params_for_choice(params, i),
-                rid=f"{rid}-{i}",
+                rid=f"{base}-{i}",
                 return_logprob=logprobs is not None,
                 top_logprobs=logprobs or 0,
                 grammar=grammar,
@@ -246,7 +248,7 @@ class OpenAIServing:
     async def chat(self, req: P.ChatCompletionRequest, is_disconnected) -> P.ChatCompletionResponse:
         setup = await self.tm.off_loop(self._chat_setup, req)
         top = setup.top_logprobs
-        rid = P.random_id("chatcmpl")
+        rid = response_id("chatcmpl")
         texts = [""] * req.n
         lps: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
         finals: list[GenerateOutput | None] = [None] * req.n
@@ -286,7 +288,7 @@ class OpenAIServing:
         """Validates eagerly (errors raise before the first byte), then returns the SSE stream."""
         setup = await self.tm.off_loop(self._chat_setup, req)
         top = setup.top_logprobs
-        rid = P.random_id("chatcmpl")
+        rid = response_id("chatcmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         merged = await prefetch_first(self._chat_requests(setup, req, rid, is_disconnected, whole=False))
@@ -396,7 +398,7 @@ class OpenAIServing:
 
     async def completions(self, req: P.CompletionRequest, is_disconnected) -> P.CompletionResponse:
         setup = await self.tm.off_loop(self._completion_setup, req)
-        rid = P.random_id("cmpl")
+        rid = response_id("cmpl")
         choices, prompt_total, completion_total, cached_total = [], 0, 0, 0
 
         async def one(pi: int, ids: list[int]):
@@ -446,7 +448,7 @@ class OpenAIServing:
     async def completions_stream(self, req: P.CompletionRequest, is_disconnected) -> AsyncIterator[str]:
         """Validates eagerly (errors raise before the first byte), then returns the SSE stream."""
         setup = await self.tm.off_loop(self._completion_setup, req)
-        rid = P.random_id("cmpl")
+        rid = response_id("cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         merged = await prefetch_first(
             self._merged(

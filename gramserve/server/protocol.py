@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
@@ -12,10 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # any 64-bit seed, signed or not
 INT32_MAX = (1 << 31) - 1
 MAX_NATIVE_TOP_LOGPROBS = 20  # /generate's top_logprobs_num, as chat's top_logprobs
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 class ErrorDetail(BaseModel):
