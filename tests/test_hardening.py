@@ -3,11 +3,13 @@ server down or fails another's, and nothing stalls the event loop (issue 21's de
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -264,6 +266,9 @@ def test_metrics_count_what_the_server_did(base_url, client, model_name):
     def grew(name: str, by: float, **labels: str) -> bool:
         return _metric(after, name, **labels) - _metric(before, name, **labels) >= by
 
+    dashboard = (Path(__file__).parent.parent / "docs" / "grafana-dashboard.json").read_text()
+    for name in set(re.findall(r"gramserve:[a-z0-9_]+", dashboard)):  # every series the dashboard plots exists
+        assert re.search(rf"^{name}[{{ ]", after, re.M), name
     assert grew("gramserve:generation_tokens_total", 5)
     assert grew("gramserve:request_success_total", 1, finished_reason="length")
     assert grew("gramserve:constrained_requests_total", 1, kind="json_object")
@@ -298,3 +303,38 @@ def test_request_ids_and_the_access_log(server, base_url, model_name):
     assert codes == [200, 200]
     time.sleep(0.2)
     assert re.search(r"client-id-7 POST /v1/chat/completions 200 [0-9.]+ ms", server.log())
+
+
+def test_no_request_makes_the_server_fetch_a_ref(base_url, model_name, tmp_path):
+    """$refs to a URL or a file, in response formats and in tools, with every backend: a 400, nothing fetched."""
+    hits = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            hits.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"type": "string"}')
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    local = tmp_path / "schema.json"
+    local.write_text('{"type": "string"}')
+    try:
+        for ref in (f"http://127.0.0.1:{httpd.server_port}/schema.json", f"file://{local}", str(local)):
+            schema = {"type": "object", "properties": {"a": {"$ref": ref}}, "required": ["a"]}
+            for backend in ("auto", "xgrammar", "llguidance", "outlines"):
+                rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+                body = {"model": model_name, **_chat(response_format=rf, grammar_backend=backend)}
+                r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120)
+                _assert_openai_error(r, 400)
+            tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+            body = {"model": model_name, **_chat(tools=[tool], tool_choice="required")}
+            r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code in (200, 400), r.text
+    finally:
+        httpd.shutdown()
+    assert hits == []

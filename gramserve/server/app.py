@@ -14,6 +14,7 @@ from gramserve.server.body_limit import BodyLimitMiddleware
 from gramserve.server.error_handlers import register_error_handlers
 from gramserve.server.native_api import native_router
 from gramserve.server.openai_api import openai_router
+from gramserve.server.openapi import install_typed_openapi
 from gramserve.server.request_id import RequestIdMiddleware
 from gramserve.server.tokenizer_manager import TokenizerManager
 
@@ -29,6 +30,7 @@ def create_app(config: ServerConfig, tm: TokenizerManager, runner_info: dict) ->
     app.include_router(openai_router(config, tm, runner_info))
     app.include_router(native_router(config.args, tm))
     app.include_router(admin_router(config, tm))
+    install_typed_openapi(app)
     args = config.args
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_bytes)
     # Added after, so it runs before: a request without its key is refused before its body is read.

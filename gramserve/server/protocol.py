@@ -150,6 +150,12 @@ class CompletionRequest(SamplingFields):
     suffix: Optional[str] = None
 
 
+class AbortRequest(BaseModel):
+    """SGLang's /abort_request body."""
+
+    rid: str = Field(min_length=1)
+
+
 class NativeSamplingParams(BaseModel):
     """/generate's `sampling_params` (SGLang's names), output-constraint keys taken out: typed, unknown keys refused."""
 

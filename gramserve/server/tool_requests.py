@@ -25,6 +25,7 @@ ToolMode = Literal["none", "auto", "required", "named"]
 # OpenAI's newer names for roles that chat templates know by the older ones
 _TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
+MAX_TOOLS = 128  # as OpenAI
 
 
 @dataclass
@@ -52,6 +53,8 @@ def plan_tools(req: P.ChatCompletionRequest, parser_name: str, args: ServerArgs)
         if choice is None or choice == "none":
             return None
         raise InvalidRequestError("tool_choice requires tools", "tool_choice")
+    if len(req.tools) > MAX_TOOLS:
+        raise InvalidRequestError(f"at most {MAX_TOOLS} tools are allowed, got {len(req.tools)}", "tools")
     tools: list[ToolFunction] = []
     seen: set[str] = set()
     for t in req.tools:
