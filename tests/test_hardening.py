@@ -338,3 +338,65 @@ def test_no_request_makes_the_server_fetch_a_ref(base_url, model_name, tmp_path)
     finally:
         httpd.shutdown()
     assert hits == []
+
+
+def test_a_client_leaving_while_its_grammar_compiles_leaks_nothing(base_url, model_name):
+    """xgrammar takes seconds on this pattern: the client gives up after half a second."""
+    schema = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^([a-z0-9]{5,50}-){20,40}$"}},
+        "required": ["code"],
+    }
+    rf = {"type": "json_schema", "json_schema": {"name": "slow", "schema": schema}}
+    body = {"model": model_name, **_chat(response_format=rf, grammar_backend="xgrammar", max_tokens=8)}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base_url + "/v1/chat/completions", json=body, timeout=0.5)
+    deadline = time.time() + 60
+    while True:  # the compile ends (or times out) on its own; then nothing of the request is left
+        info = httpx.get(base_url + "/get_server_info", timeout=10).json()
+        pool = info["kv_pool"]
+        done = info["num_grammar_compiling"] == 0 and info["grammar_live_requests"] == 0
+        if done and pool["used_slots"] == 0 and pool["free_request_rows"] == pool["max_running_requests"]:
+            break
+        assert time.time() < deadline, info
+        time.sleep(0.5)
+    assert info["grammar_slots_in_use"] == 0
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_a_flood_of_huge_prompts_is_refused_with_bounded_memory(server, base_url, model_name):
+    """64 prompts of 3 MB at once (past what the context can hold, under the body limit): each a quick 400, and
+    the main process's memory comes back near where it was."""
+    before = _rss_mb(server.proc.pid)
+    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": "word " * 600_000}]}).encode()
+
+    def send(_):
+        return httpx.post(
+            base_url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=120
+        ).status_code
+
+    with ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(send, range(64)))
+    assert codes == [400] * 64
+    time.sleep(1)
+    assert _rss_mb(server.proc.pid) - before < 400, (before, _rss_mb(server.proc.pid))
+    assert _healthy(base_url)
+
+
+def test_a_slow_reader_holds_only_its_own_request(base_url, model_name):
+    """A stream read one event a second: other requests are served meanwhile; when it leaves, its KV comes back."""
+    body = {"model": model_name, "messages": CHAT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=120) as slow:
+        lines = slow.iter_lines()
+        for _ in range(3):
+            next(lines)
+            time.sleep(1.0)
+        t = time.monotonic()
+        r = httpx.post(base_url + "/v1/chat/completions", json={"model": model_name, **_chat()}, timeout=60)
+        assert r.status_code == 200 and time.monotonic() - t < 10
+    pool = wait_pool_whole(base_url)
+    assert pool["used_slots"] == 0 and pool["free_request_rows"] == pool["max_running_requests"], pool
