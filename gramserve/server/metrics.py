@@ -60,25 +60,31 @@ class RequestMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between two output tokens", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token", E2E_BUCKETS)
 
+        # The per-token series, bound to their label once (labels() takes a lock and a dict lookup each call).
+        self._generated = self.generation_tokens.labels(model_name)
+        self._itl = self.itl.labels(model_name)
+        self._ttft = self.ttft.labels(model_name)
+        self._e2e = self.e2e.labels(model_name)
+        self._prompt = self.prompt_tokens.labels(model_name)
+
     def started(self, grammar_kind: str | None) -> None:
         if grammar_kind is not None:
             self.constrained.labels(self.model, grammar_kind).inc()
 
     def first_token(self, seconds: float) -> None:
-        self.ttft.labels(self.model).observe(seconds)
+        self._ttft.observe(seconds)
 
     def tokens(self, count: int, seconds: float) -> None:
         """`count` tokens arrived together, `seconds` after the previous ones: each counts as seconds / count."""
-        self.generation_tokens.labels(self.model).inc(count)
+        self._generated.inc(count)
         if seconds > 0 and count > 0:
-            child = self.itl.labels(self.model)
             for _ in range(count):
-                child.observe(seconds / count)
+                self._itl.observe(seconds / count)
 
     def finished(self, reason: str, prompt_tokens: int, seconds: float) -> None:
         self.request_success.labels(self.model, reason).inc()
-        self.prompt_tokens.labels(self.model).inc(prompt_tokens)
-        self.e2e.labels(self.model).observe(seconds)
+        self._prompt.inc(prompt_tokens)
+        self._e2e.observe(seconds)
 
     def failed(self, reason: str) -> None:
         self.request_failure.labels(self.model, reason).inc()
