@@ -116,6 +116,8 @@ class ServerArgs:
     metrics_require_key: bool = False  # /metrics open (as /health) unless this is on
     # a scheduler loop silent this long (seconds) counts as stalled: /health 503, requests in flight fail (503)
     watchdog_timeout: float = 60.0
+    # a request still running after this many seconds ends with a 504 (None: no limit)
+    request_timeout: float | None = None
     # SIGTERM / Ctrl-C: requests running may finish for this long (seconds), then the rest fail with a 503
     shutdown_timeout: float = 30.0
     # chat_template_kwargs.chat_template: a request may bring its own Jinja template only when this is on
@@ -296,6 +298,12 @@ class ServerArgs:
             type=float,
             default=defaults.watchdog_timeout,
             help="seconds without a scheduler heartbeat before /health turns 503 and requests in flight fail",
+        )
+        parser.add_argument(
+            "--request-timeout",
+            type=float,
+            default=defaults.request_timeout,
+            help="seconds a request may run (queueing included) before it ends with a 504; default: no limit",
         )
         parser.add_argument(
             "--shutdown-timeout",

@@ -205,7 +205,10 @@ def test_a_client_leaving_an_n3_request_leaks_nothing(server, base_url, model_na
 
 @pytest.fixture(scope="module")
 def keyed_server(tmp_path_factory):
-    srv = start_server(str(tmp_path_factory.mktemp("keyed")), "--api-key", "sk-user", "--admin-api-key", "sk-admin")
+    srv = start_server(
+        str(tmp_path_factory.mktemp("keyed")),
+        *("--api-key", "sk-user", "--admin-api-key", "sk-admin", "--request-timeout", "4"),
+    )
     yield srv
     assert srv.stop() == 0, srv.log()[-3000:]
 
@@ -400,3 +403,19 @@ def test_a_slow_reader_holds_only_its_own_request(base_url, model_name):
         assert r.status_code == 200 and time.monotonic() - t < 10
     pool = wait_pool_whole(base_url)
     assert pool["used_slots"] == 0 and pool["free_request_rows"] == pool["max_running_requests"], pool
+
+
+def test_request_timeout(keyed_server):
+    """--request-timeout 4: a long request ends with a 504 (a stream with a timeout error event) and is aborted."""
+    url, auth = keyed_server.base_url, {"Authorization": "Bearer sk-user"}
+    body = {"messages": CHAT, "max_tokens": 3000, "ignore_eos": True}
+    t = time.monotonic()
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers=auth, timeout=60)
+    assert _assert_openai_error(r, 504)["type"] == "timeout" and time.monotonic() - t < 15
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, headers=auth) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["type"] == "timeout", events[-1]
+    deadline = time.time() + 20
+    while (pool := httpx.get(url + "/get_server_info", headers=auth).json()["kv_pool"])["used_slots"]:
+        assert time.time() < deadline, pool  # the aborts reach the scheduler: its KV comes back
+        time.sleep(0.2)

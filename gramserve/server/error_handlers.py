@@ -19,6 +19,7 @@ from gramserve.server.errors import (
     EngineUnavailableError,
     InvalidRequestError,
     ModelNotServedError,
+    RequestTimeoutError,
     ServerBusyError,
 )
 
@@ -81,6 +82,7 @@ ERROR_HANDLERS: dict[type[Exception], Callable[..., JSONResponse]] = {
     ServerBusyError: _on_busy,
     EngineError: lambda exc: error_response(500, str(exc), err_type="internal_error"),
     EngineUnavailableError: lambda exc: error_response(503, str(exc), err_type="service_unavailable"),
+    RequestTimeoutError: lambda exc: error_response(504, str(exc), err_type="timeout"),
     Exception: _on_internal,
 }
 

@@ -23,6 +23,10 @@ class EngineUnavailableError(Exception):
     """The server cannot serve now (a stalled or dead scheduler, a shutdown); becomes a 503."""
 
 
+class RequestTimeoutError(Exception):
+    """The request ran past --request-timeout; becomes a 504."""
+
+
 class EngineError(Exception):
     """The engine failed the request before producing anything; becomes a 500."""
 

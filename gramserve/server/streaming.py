@@ -7,7 +7,13 @@ import json
 import logging
 from typing import Any, AsyncIterator
 
-from gramserve.server.errors import ClientDisconnectedError, EngineError, EngineUnavailableError, InvalidRequestError
+from gramserve.server.errors import (
+    ClientDisconnectedError,
+    EngineError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    RequestTimeoutError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +38,8 @@ def error_event(exc: Exception) -> str:
         error = {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": None}
     elif isinstance(exc, EngineUnavailableError):
         error = {"message": str(exc), "type": "service_unavailable", "param": None, "code": None}
+    elif isinstance(exc, RequestTimeoutError):
+        error = {"message": str(exc), "type": "timeout", "param": None, "code": None}
     elif isinstance(exc, EngineError):
         error = {"message": str(exc), "type": "internal_error", "param": None, "code": None}
     else:

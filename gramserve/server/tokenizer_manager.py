@@ -39,6 +39,7 @@ from gramserve.server.errors import (
     EngineError,
     EngineUnavailableError,
     InvalidRequestError,
+    RequestTimeoutError,
     ServerBusyError,
 )
 from gramserve.server.health import ServerHealth
@@ -108,6 +109,7 @@ class TokenizerManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.output_checker = OutputChecker()
         self.check_retries = config.args.grammar_check_retries
+        self.request_timeout = config.args.request_timeout
         self._retry_of: dict[str, str] = {}  # a request's rid -> the rid of its retry now running (for abort)
         self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="prep")
         # A text holds at least len(text) / (longest token's length) tokens: past this it cannot fit the context.
@@ -281,6 +283,7 @@ class TokenizerManager:
         )
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_CHECK_S
+        deadline = loop.time() + self.request_timeout if self.request_timeout else None
         text: list[str] = []  # the output so far, for the last check (checked requests only)
         calls = watch_calls() if watch_calls is not None else None
         try:
@@ -294,6 +297,11 @@ class TokenizerManager:
                     if await is_disconnected():
                         logger.info("client of %s disconnected; aborting", rid)
                         raise ClientDisconnectedError(rid)
+                if deadline is not None and loop.time() > deadline:
+                    logger.info("request %s ran past --request-timeout; aborting", rid)
+                    raise RequestTimeoutError(
+                        f"the request ran longer than the server's limit of {self.request_timeout:g} s"
+                    )
                 if out is None:
                     continue
                 if isinstance(out, Exception):  # fail_all: the server cannot finish it
@@ -400,6 +408,8 @@ def _record_failure(watch: RequestWatch, exc: Exception, grammar: GrammarRequest
         watch.failed("unavailable")
     elif isinstance(exc, ClientDisconnectedError):
         watch.failed("client_disconnected")
+    elif isinstance(exc, RequestTimeoutError):
+        watch.failed("timeout")
     else:
         watch.failed("internal")
 
