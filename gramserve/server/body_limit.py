@@ -33,7 +33,6 @@ class BodyLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._refuse(send)
         seen = 0
-        started = False
 
         async def counted_receive():
             nonlocal seen
@@ -44,17 +43,12 @@ class BodyLimitMiddleware:
                     raise BodyTooLarge
             return message
 
-        async def tracked_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        # `send` is not wrapped (it runs for every streamed chunk): the routes read the whole body before they
+        # answer, so a body found too large has no response started yet.
         try:
-            await self.app(scope, counted_receive, tracked_send)
+            await self.app(scope, counted_receive, send)
         except BodyTooLarge:
-            if not started:
-                await self._refuse(send)
+            await self._refuse(send)
 
     async def _refuse(self, send) -> None:
         body = _error_body(self.max_bytes)

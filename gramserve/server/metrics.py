@@ -1,9 +1,11 @@
 """Prometheus metrics for GET /metrics, named in vLLM's style with a `gramserve:` prefix.
 
-Two sources, one exposition:
+Two sources, one exposition (prometheus-client's text format and metric families):
 - Request metrics live in the main process, which sees every request from arrival to its last token (TTFT,
-  inter-token latency, end-to-end latency, token counters, finish reasons, refusals, failures): prometheus-client
-  counters and histograms in a registry of their own (`RequestMetrics`).
+  inter-token latency, end-to-end latency, token counters, finish reasons, refusals, failures): `RequestMetrics`.
+  They are recorded on the event loop for every output message of every request, where each microsecond shows in
+  the throughput of a busy server, so they are plain counts (one thread: no locks), turned into metric families
+  only when /metrics is read.
 - Scheduler and grammar metrics (running / queued requests, KV use, prefix-cache hits, grammar compile and fill
   histograms, cache hits) are read from the scheduler at scrape time, from the same report as /get_server_info,
   and turned into metric families (`scheduler_families`). No metric files are shared between processes.
@@ -11,10 +13,12 @@ Two sources, one exposition:
 
 from __future__ import annotations
 
+import bisect
 import time
+from collections import Counter
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 PREFIX = "gramserve:"
@@ -36,61 +40,92 @@ def refusal_reason(message: str) -> str:
     return "invalid"
 
 
+class SecondsHistogram:
+    """Fixed buckets (upper bounds, inclusive, in seconds) and a sum; `observe(v, n)` counts n values of v."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.total += value * n
+
+    def family(self, name: str, doc: str, model: str) -> HistogramMetricFamily:
+        buckets, running = [], 0
+        for bound, count in zip([*(f"{b:g}" for b in self.bounds), "+Inf"], self.counts):
+            running += count
+            buckets.append((bound, running))
+        family = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([model], buckets, sum_value=self.total)
+        return family
+
+
 class RequestMetrics:
-    """What the main process records per engine request (TokenizerManager calls these)."""
+    """What the main process records per engine request (TokenizerManager calls these, on its event loop)."""
 
     def __init__(self, model_name: str):
-        self.registry = CollectorRegistry()
-        labels = ["model_name"]
         self.model = model_name
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(PREFIX + name, doc, [*labels, *extra], registry=self.registry)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
-
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated")
-        self.request_success = counter("request_success", "Requests finished, by finish reason", ("finished_reason",))
-        self.request_failure = counter("request_failure", "Requests that ended in an error, by reason", ("reason",))
-        self.constrained = counter("constrained_requests", "Requests with an output constraint, by kind", ("kind",))
-        self.grammar_refusals = counter("grammar_refusals", "Output constraints refused, by reason", ("reason",))
-        self.ttft = histogram("time_to_first_token_seconds", "Time to the first token", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between two output tokens", ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token", E2E_BUCKETS)
-
-        # The per-token series, bound to their label once (labels() takes a lock and a dict lookup each call).
-        self._generated = self.generation_tokens.labels(model_name)
-        self._itl = self.itl.labels(model_name)
-        self._ttft = self.ttft.labels(model_name)
-        self._e2e = self.e2e.labels(model_name)
-        self._prompt = self.prompt_tokens.labels(model_name)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.success: Counter[str] = Counter()  # by finish reason
+        self.failure: Counter[str] = Counter()  # by reason
+        self.constrained: Counter[str] = Counter()  # by grammar kind
+        self.refusals: Counter[str] = Counter()  # by refusal_reason
+        self.ttft = SecondsHistogram(TTFT_BUCKETS)
+        self.itl = SecondsHistogram(ITL_BUCKETS)
+        self.e2e = SecondsHistogram(E2E_BUCKETS)
 
     def started(self, grammar_kind: str | None) -> None:
         if grammar_kind is not None:
-            self.constrained.labels(self.model, grammar_kind).inc()
+            self.constrained[grammar_kind] += 1
 
     def first_token(self, seconds: float) -> None:
-        self._ttft.observe(seconds)
+        self.ttft.observe(seconds)
 
     def tokens(self, count: int, seconds: float) -> None:
         """`count` tokens arrived together, `seconds` after the previous ones: each counts as seconds / count."""
-        self._generated.inc(count)
+        self.generation_tokens += count
         if seconds > 0 and count > 0:
-            for _ in range(count):
-                self._itl.observe(seconds / count)
+            self.itl.observe(seconds / count, count)
 
     def finished(self, reason: str, prompt_tokens: int, seconds: float) -> None:
-        self.request_success.labels(self.model, reason).inc()
-        self._prompt.inc(prompt_tokens)
-        self._e2e.observe(seconds)
+        self.success[reason] += 1
+        self.prompt_tokens += prompt_tokens
+        self.e2e.observe(seconds)
 
     def failed(self, reason: str) -> None:
-        self.request_failure.labels(self.model, reason).inc()
+        self.failure[reason] += 1
 
     def refused(self, message: str) -> None:
-        self.grammar_refusals.labels(self.model, refusal_reason(message)).inc()
+        self.refusals[refusal_reason(message)] += 1
+
+    def families(self) -> Iterable[Metric]:
+        model = self.model
+
+        def counter(name: str, doc: str, value: float, **labels: str) -> CounterMetricFamily:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", *labels])
+            family.add_metric([model, *labels.values()], float(value))
+            return family
+
+        def by_label(name: str, doc: str, label: str, counts: Counter[str]) -> CounterMetricFamily:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", label])
+            for key, value in sorted(counts.items()):
+                family.add_metric([model, key], float(value))
+            return family
+
+        yield counter("prompt_tokens", "Prompt tokens of finished requests", self.prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated", self.generation_tokens)
+        yield by_label("request_success", "Requests finished, by finish reason", "finished_reason", self.success)
+        yield by_label("request_failure", "Requests that ended in an error, by reason", "reason", self.failure)
+        yield by_label("constrained_requests", "Requests with an output constraint, by kind", "kind", self.constrained)
+        yield by_label("grammar_refusals", "Output constraints refused, by reason", "reason", self.refusals)
+        yield self.ttft.family("time_to_first_token_seconds", "Time to the first token", model)
+        yield self.itl.family("inter_token_latency_seconds", "Time between two output tokens", model)
+        yield self.e2e.family("e2e_request_latency_seconds", "Arrival to last token", model)
 
 
 class RequestWatch:
@@ -188,6 +223,7 @@ class _Snapshot:
 
 
 def exposition(request_metrics: RequestMetrics, info: dict, output_checks: dict) -> bytes:
-    snapshot = CollectorRegistry()
-    snapshot.register(_Snapshot(list(scheduler_families(info, output_checks, request_metrics.model))))
-    return generate_latest(request_metrics.registry) + generate_latest(snapshot)
+    families = [*request_metrics.families(), *scheduler_families(info, output_checks, request_metrics.model)]
+    registry = CollectorRegistry()
+    registry.register(_Snapshot(families))
+    return generate_latest(registry)

@@ -19,6 +19,8 @@ from gramserve.server.streaming import SSE_DONE, STREAM_ERRORS_PASSED_ON, error_
 from gramserve.server.structured_outputs import grammar_from_fields
 from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 
+INLINE_ENCODE_CHARS = 64 * 1024
+
 # sampling_params keys that constrain the output (structured_outputs.py reads them) rather than sample
 NATIVE_GRAMMAR_KEYS = frozenset(
     {
@@ -84,7 +86,12 @@ def native_router(args: ServerArgs, tm: TokenizerManager) -> APIRouter:
     async def generate(request: Request):
         req = await parse_body(request, P.GenerateRequest)
         check_native_prompt(req)
-        input_ids = req.input_ids if req.input_ids is not None else await tm.off_loop(tm.encode, req.text)
+        if req.input_ids is not None:
+            input_ids = req.input_ids
+        elif len(req.text) > INLINE_ENCODE_CHARS:  # a long text is tokenized off the event loop
+            input_ids = await tm.off_loop(tm.encode, req.text)
+        else:
+            input_ids = tm.encode(req.text)
         sampling = dict(req.sampling_params)
         grammar = grammar_from_fields({k: sampling.pop(k) for k in list(sampling) if k in NATIVE_GRAMMAR_KEYS}, args)
         params = native_sampling_params(sampling, tm.vocab_size)

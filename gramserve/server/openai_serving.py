@@ -17,6 +17,7 @@ from gramserve.sampling.params import SamplingParams
 from gramserve.server import protocol as P
 from gramserve.server.chat_output import ChoiceStream, DeltaFields, final_output, finish_reason
 from gramserve.server.errors import InvalidRequestError
+from gramserve.server.request_body import body_bytes
 from gramserve.server.request_checks import (
     chat_top_logprobs,
     check_chat_messages,
@@ -30,6 +31,8 @@ from gramserve.server.streaming import SSE_DONE, STREAM_ERRORS_PASSED_ON, error_
 from gramserve.server.structured_outputs import checked_backend, grammar_from_fields, with_schema_in_prompt
 from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 from gramserve.server.tool_requests import ToolPlan, plan_tools, render_messages, template_supports_tools, tool_grammar
+
+INLINE_PREP_BYTES = 64 * 1024  # request bodies up to this size are prepared on the event loop (see _prepare)
 
 
 def _params_for_choice(base: SamplingParams, i: int) -> SamplingParams:
@@ -81,6 +84,14 @@ class OpenAIServing:
         return grammar_from_fields(req.model_dump(), self.args)
 
     # --- shared helpers ---------------------------------------------------------------------------
+
+    async def _prepare(self, setup: Callable, req):
+        """Run a request's setup (checks, template, tokenization, grammar text). A small request's takes well under
+        a millisecond and runs here; a large body's runs on the prep threads, so it cannot stall the event loop (and
+        small requests do not pay a thread hop and the GIL hand-offs that come with it)."""
+        if body_bytes() > INLINE_PREP_BYTES:
+            return await self.tm.off_loop(setup, req)
+        return setup(req)
 
     def _check_prompt(self, input_ids: list[int], params: SamplingParams) -> None:
         check_prompt(input_ids, params.max_new_tokens, self.tm.vocab_size, self.tm.context_length)
@@ -246,7 +257,7 @@ class OpenAIServing:
         )
 
     async def chat(self, req: P.ChatCompletionRequest, is_disconnected) -> P.ChatCompletionResponse:
-        setup = await self.tm.off_loop(self._chat_setup, req)
+        setup = await self._prepare(self._chat_setup, req)
         top = setup.top_logprobs
         rid = response_id("chatcmpl")
         texts = [""] * req.n
@@ -286,7 +297,7 @@ class OpenAIServing:
 
     async def chat_stream(self, req: P.ChatCompletionRequest, is_disconnected) -> AsyncIterator[str]:
         """Validates eagerly (errors raise before the first byte), then returns the SSE stream."""
-        setup = await self.tm.off_loop(self._chat_setup, req)
+        setup = await self._prepare(self._chat_setup, req)
         top = setup.top_logprobs
         rid = response_id("chatcmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -397,7 +408,7 @@ class OpenAIServing:
         return out
 
     async def completions(self, req: P.CompletionRequest, is_disconnected) -> P.CompletionResponse:
-        setup = await self.tm.off_loop(self._completion_setup, req)
+        setup = await self._prepare(self._completion_setup, req)
         rid = response_id("cmpl")
         choices, prompt_total, completion_total, cached_total = [], 0, 0, 0
 
@@ -447,7 +458,7 @@ class OpenAIServing:
 
     async def completions_stream(self, req: P.CompletionRequest, is_disconnected) -> AsyncIterator[str]:
         """Validates eagerly (errors raise before the first byte), then returns the SSE stream."""
-        setup = await self.tm.off_loop(self._completion_setup, req)
+        setup = await self._prepare(self._completion_setup, req)
         rid = response_id("cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         merged = await prefetch_first(

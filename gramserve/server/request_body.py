@@ -3,6 +3,7 @@ too deep for the parser or holding a lone UTF-16 surrogate (no tokenizer can enc
 
 from __future__ import annotations
 
+import contextvars
 import json
 import re
 from typing import TypeVar
@@ -14,6 +15,14 @@ from pydantic import BaseModel, ValidationError
 from gramserve.server.errors import InvalidRequestError
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+_BODY_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("body_bytes", default=0)
+
+
+def body_bytes() -> int:
+    """The size of the body of the request being served (0 before it is read)."""
+    return _BODY_BYTES.get()
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # \uD800-\uDFFF: an emoji's pair, or a lone half
@@ -37,7 +46,9 @@ def parse_json_object(raw: bytes) -> dict:
 
 
 async def read_json_object(request: Request) -> dict:
-    return parse_json_object(await request.body())
+    raw = await request.body()
+    _BODY_BYTES.set(len(raw))
+    return parse_json_object(raw)
 
 
 async def parse_body(request: Request, model_cls: type[ModelT]) -> ModelT:

@@ -186,29 +186,10 @@ class TokenizerManager:
     # --- generation -----------------------------------------------------------------------------
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, *, grammar: GrammarRequest | None = None, **kwargs
-    ) -> AsyncIterator[GenerateOutput]:
-        """`_generate` (below), watched for the request metrics (server/metrics.py) when they are on."""
-        watch = RequestWatch(self.metrics, grammar.kind if grammar else None) if self.metrics is not None else None
-        gen = self._generate(input_ids, sampling, grammar=grammar, watch=watch, **kwargs)
-        try:
-            async for out in gen:
-                if watch is not None and out.finished is not None:
-                    watch.finished(out.finished.type, out.prompt_tokens)
-                yield out
-        except Exception as exc:
-            if watch is not None:
-                _record_failure(watch, exc, grammar)
-            raise
-        finally:
-            await gen.aclose()
-
-    async def _generate(
         self,
         input_ids: list[int],
         sampling: SamplingParams,
         *,
-        watch: RequestWatch | None = None,
         rid: str | None = None,
         return_logprob: bool = False,
         top_logprobs: int = 0,
@@ -229,14 +210,32 @@ class TokenizerManager:
 
         Trusts `input_ids` and `sampling`: the routes check them once per request (sampling_request.py builds
         validated params, request_checks.check_prompt checks the prompt) and nothing else calls this. The rid
-        is checked here, as only this class knows the live ones: a duplicate raises before anything is sent."""
+        is checked here, as only this class knows the live ones: a duplicate raises before anything is sent.
+
+        The request metrics (server/metrics.py) are recorded here and in `_attempt`, in the generators that run
+        anyway: a wrapping generator would cost every output of every request another resumption."""
         rid = rid or uuid.uuid4().hex
         target = self.output_checker.target(grammar, tools)
+        watch = RequestWatch(self.metrics, grammar.kind if grammar else None) if self.metrics is not None else None
         args = (return_logprob, top_logprobs, grammar, priority, is_disconnected, target, watch_calls, watch)
-        if not (retry_invalid and self.check_retries > 0 and target is not None):
-            async for out in self._attempt(rid, input_ids, sampling, *args):
+        try:
+            if not (retry_invalid and self.check_retries > 0 and target is not None):
+                async for out in self._attempt(rid, input_ids, sampling, *args):
+                    if out.finished is not None and watch is not None:
+                        watch.finished(out.finished.type, out.prompt_tokens)
+                    yield out
+                return
+            async for out in self._with_retries(rid, input_ids, sampling, args):
+                if out.finished is not None and watch is not None:
+                    watch.finished(out.finished.type, out.prompt_tokens)
                 yield out
-            return
+        except Exception as exc:
+            if watch is not None:
+                _record_failure(watch, exc, grammar)
+            raise
+
+    async def _with_retries(self, rid: str, input_ids: list[int], sampling: SamplingParams, args: tuple):
+        """`generate` for a checked output read whole: attempts until one passes the last check (or the last)."""
         try:
             for attempt in range(self.check_retries + 1):
                 engine_rid = rid if attempt == 0 else f"{rid}-retry{attempt}"

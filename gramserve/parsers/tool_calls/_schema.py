@@ -10,7 +10,7 @@ double at every level: 21 levels of a 2 KB schema would inline into millions of 
 from __future__ import annotations
 
 _PREFIXES = ("#/$defs/", "#/definitions/")
-INLINE_BUDGET = 20_000  # dict / list nodes the inlined schema may hold
+INLINE_BUDGET = 10_000  # dict / list nodes the inlined schema may hold (a few ms to build)
 
 
 class _OverBudget(Exception):
