@@ -194,6 +194,22 @@ def test_scheduler_death_stops_the_server(servers, tmp_path, ipc_tmp):
     assert not glob.glob(os.path.join(ipc_tmp, "gramserve-ipc-*")), "IPC folder left behind"
 
 
+@pytest.mark.parametrize("which", [0, 1])
+def test_any_child_death_fails_requests_and_stops_the_server(servers, tmp_path, ipc_tmp, which):
+    """The detokenizer and the grammar worker (the two children besides the scheduler, taken in pid order): killing
+    either ends a running stream with an error event, and the server exits non-zero."""
+    srv, children = _start(servers, tmp_path)
+    scheduler = _scheduler_pid(children)
+    others = sorted(p for p in children if "spawn_main" in _cmdline(p) and p != scheduler)
+    assert len(others) == 2, _describe(children)
+    stream = _Stream(srv.base_url)
+    os.kill(others[which], signal.SIGKILL)
+    stream.join(timeout=15)
+    assert stream.error is not None and "process died" in stream.error["message"], stream.events[-1:]
+    assert srv.proc.wait(timeout=15) != 0
+    assert not _wait_gone(children, timeout=10)
+
+
 def test_sigterm_lets_running_requests_finish(servers, tmp_path, ipc_tmp):
     """Draining: a short request finishes, a new one gets a 503, a long one fails with an error event at the
     --shutdown-timeout, and the server exits 0."""
