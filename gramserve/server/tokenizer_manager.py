@@ -1,6 +1,6 @@
 """TokenizerManager: the main process's bridge to the scheduler.
 
-It tokenizes (on a small thread pool, `off_loop`, so a long prompt or template never stalls the event loop; a
+It tokenizes (large requests on a small thread pool, `off_loop`, so a long prompt never stalls the event loop; a
 text too long for the context is refused before it is tokenized), sends TokenizedGenerateReq to the scheduler
 and turns the detokenizer's BatchTextOut messages back into a per-request async stream. A request whose consumer
 goes away (client disconnect, cancelled task) is aborted so its KV slots come back at once. It trusts the requests
