@@ -9,8 +9,9 @@ A wrong or missing key gets a 401 with OpenAI's error JSON.
 from __future__ import annotations
 
 import hmac
-import json
 from dataclasses import dataclass
+
+from gramserve.server.error_handlers import error_response
 
 ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request"})
 
@@ -43,14 +44,7 @@ def _bearer(headers: list[tuple[bytes, bytes]]) -> bytes:
     return b""
 
 
-def _unauthorized() -> bytes:
-    error = {
-        "message": "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'.",
-        "type": "invalid_request_error",
-        "param": None,
-        "code": "invalid_api_key",
-    }
-    return json.dumps({"error": error}).encode()
+UNAUTHORIZED = "Incorrect or missing API key: send it as 'Authorization: Bearer <key>'."
 
 
 class ApiKeyMiddleware:
@@ -62,13 +56,7 @@ class ApiKeyMiddleware:
         if scope["type"] == "http":
             key = self.policy.required_key(scope["path"])
             if key is not None and not hmac.compare_digest(_bearer(scope.get("headers") or []), key.encode()):
-                body = _unauthorized()
-                headers = [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer"),
-                ]
-                await send({"type": "http.response.start", "status": 401, "headers": headers})
-                await send({"type": "http.response.body", "body": body})
-                return
+                refusal = error_response(401, UNAUTHORIZED, code="invalid_api_key")
+                refusal.headers["WWW-Authenticate"] = "Bearer"
+                return await refusal(scope, receive, send)
         await self.app(scope, receive, send)

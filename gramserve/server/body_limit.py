@@ -6,19 +6,11 @@ when it passes the limit. Either way the route never sees it.
 
 from __future__ import annotations
 
-import json
-
-_TOO_LARGE = 413
+from gramserve.server.error_handlers import error_response
 
 
 class BodyTooLarge(Exception):
     pass
-
-
-def _error_body(limit: int) -> bytes:
-    message = f"the request body is larger than the {limit}-byte limit (--max-request-bytes)"
-    error = {"message": message, "type": "invalid_request_error", "param": None, "code": None}
-    return json.dumps({"error": error}).encode()
 
 
 class BodyLimitMiddleware:
@@ -31,7 +23,7 @@ class BodyLimitMiddleware:
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._refuse(send)
+            return await self._refuse(scope, receive, send)
         seen = 0
 
         async def counted_receive():
@@ -48,10 +40,8 @@ class BodyLimitMiddleware:
         try:
             await self.app(scope, counted_receive, send)
         except BodyTooLarge:
-            await self._refuse(send)
+            await self._refuse(scope, receive, send)
 
-    async def _refuse(self, send) -> None:
-        body = _error_body(self.max_bytes)
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": _TOO_LARGE, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+    async def _refuse(self, scope, receive, send) -> None:
+        message = f"the request body is larger than the {self.max_bytes}-byte limit (--max-request-bytes)"
+        await error_response(413, message)(scope, receive, send)

@@ -87,6 +87,14 @@ ERROR_HANDLERS: dict[type[Exception], Callable[..., JSONResponse]] = {
 }
 
 
+def response_for(exc: Exception) -> JSONResponse:
+    """The error response of `exc`, by the handler of its closest class (streams reuse it as their last event)."""
+    for cls in type(exc).__mro__:
+        if cls in ERROR_HANDLERS:
+            return ERROR_HANDLERS[cls](exc)
+    return _on_internal(exc)
+
+
 def _as_handler(to_response: Callable[..., JSONResponse]) -> Callable[[Request, Exception], Awaitable[JSONResponse]]:
     async def handler(_: Request, exc: Exception) -> JSONResponse:
         return to_response(exc)

@@ -4,18 +4,10 @@ and prefetch_first, which keeps errors before the first token plain HTTP errors.
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any, AsyncIterator
 
-from gramserve.server.errors import (
-    ClientDisconnectedError,
-    EngineError,
-    EngineUnavailableError,
-    InvalidRequestError,
-    RequestTimeoutError,
-)
-
-logger = logging.getLogger(__name__)
+from gramserve.server.error_handlers import response_for
+from gramserve.server.errors import ClientDisconnectedError
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -33,20 +25,8 @@ def sse(data: Any) -> str:
 
 
 def error_event(exc: Exception) -> str:
-    """The last event of a stream that fails midway: OpenAI's error object, as the SDKs' stream readers expect."""
-    if isinstance(exc, InvalidRequestError):
-        error = {"message": str(exc), "type": "invalid_request_error", "param": exc.param, "code": None}
-    elif isinstance(exc, EngineUnavailableError):
-        error = {"message": str(exc), "type": "service_unavailable", "param": None, "code": None}
-    elif isinstance(exc, RequestTimeoutError):
-        error = {"message": str(exc), "type": "timeout", "param": None, "code": None}
-    elif isinstance(exc, EngineError):
-        error = {"message": str(exc), "type": "internal_error", "param": None, "code": None}
-    else:
-        logger.error("stream failed", exc_info=exc)
-        error = {"message": f"internal server error: {type(exc).__name__}", "type": "internal_error"}
-        error.update(param=None, code=None)
-    return sse({"error": error})
+    """The last event of a stream that fails midway: the error body the same failure gets as an HTTP answer."""
+    return f"data: {response_for(exc).body.decode().translate(_LINE_BREAKS)}\n\n"
 
 
 STREAM_ERRORS_PASSED_ON = (ClientDisconnectedError,)  # nobody to tell: the stream ends without an event
