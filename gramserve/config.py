@@ -106,6 +106,10 @@ class ServerArgs:
     kv_reserve_ratio: float = 0.5  # share of a running request's max_tokens that admission keeps free for it
     max_queued_requests: int | None = 2048  # waiting requests past which new ones get a 503 (None: no limit)
     num_threads: int | None = None  # torch threads in the scheduler (None: Settings.scheduler_threads)
+    # float32 on a CPU, decode matmuls: auto (a GGUF's own Q4_1/Q8_0 blocks: the same weights in fewer bytes)
+    # | q8_0 (every projection rounded to Q8_0 blocks) | float (fp32 weights)
+    cpu_weights: str = "auto"
+    cpu_kernel_threads: int | None = None  # threads of the CPU decode kernels (None: every available core)
     seed: int = 0
     max_n: int = 128  # largest accepted `n`
     max_request_bytes: int = 16 * 1024 * 1024  # larger request bodies get a 413
@@ -273,6 +277,21 @@ class ServerArgs:
         parser.add_argument("--disable-radix-cache", action="store_true")
         parser.add_argument("--kv-reserve-ratio", type=float, default=defaults.kv_reserve_ratio)
         parser.add_argument("--num-threads", type=int, default=None)
+        parser.add_argument(
+            "--cpu-weights",
+            default=defaults.cpu_weights,
+            choices=["auto", "q8_0", "float"],
+            help="CPU, float32: what decode matmuls read. auto: a GGUF model's own Q4_1/Q8_0 blocks (the same "
+            "weight values as the converted floats, 4-7x fewer bytes), floats for other models; q8_0: every "
+            "projection rounded to 8-bit blocks; float: fp32 weights",
+        )
+        parser.add_argument(
+            "--cpu-kernel-threads",
+            type=int,
+            default=None,
+            help="threads of the CPU decode kernels (default: every available core; a decode step is bound by "
+            "memory bandwidth, which one core does not fill)",
+        )
         parser.add_argument("--seed", type=int, default=defaults.seed)
         parser.add_argument("--max-n", type=int, default=defaults.max_n)
         parser.add_argument(
@@ -440,6 +459,7 @@ class Settings:
     grammar_shards: int
     grammar_fill_threads: int  # per grammar worker; 0: row by row
     scheduler_threads: int  # torch CPU threads in the scheduler process
+    cpu_kernel_threads: int = 1  # threads of the CPU decode kernels
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from gramserve.model.attention.base import AttentionBackend
+from gramserve.model.block_linear import BlockLinear
 from gramserve.model.forward_batch import ForwardBatch, ForwardMode
 from gramserve.model.model_config import ModelConfig, UnsupportedModelError
+from gramserve.model.quant_weights import BlockWeight
 
 
 class RMSNorm(nn.Module):
@@ -23,6 +25,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernels = None  # the CPU kernel library (`use_cpu_kernels`): fp32 rows in one call
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """rmsnorm(x); with `residual`: the residual stream becomes x + residual, returns (its norm, it)."""
@@ -32,12 +35,20 @@ class RMSNorm(nn.Module):
             if residual is not None:
                 return fused_ops.add_rmsnorm(x, residual, self.weight, self.eps), residual
             return fused_ops.rmsnorm(x, self.weight, self.eps)
+        if self.kernels is not None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+            from gramserve.model import cpu_kernels
+
+            if residual is not None:  # the sum goes into `residual` in place, as on CUDA
+                return cpu_kernels.rmsnorm(self.kernels, x, self.weight, self.eps, residual), residual
+            return cpu_kernels.rmsnorm(self.kernels, x, self.weight, self.eps, None)
         if residual is not None:
             residual = x + residual
             return self._norm(residual), residual
         return self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op; 16-bit inputs keep HF's rounding below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -75,6 +86,7 @@ class RotaryEmbedding(nn.Module):
             "cos", torch.empty(max_positions, cfg.head_dim // 2, dtype=torch.float32), persistent=False
         )
         self.register_buffer("sin", torch.empty_like(self.cos), persistent=False)
+        self._gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if self.cos.device.type != "meta":
             self.reset_tables()
 
@@ -84,14 +96,20 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(freqs.cos())
         self.sin.copy_(freqs.sin())
 
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows [T, 1, D/2] for `positions`, gathered once per forward (every layer asks with the same
+        tensor) rather than once per layer."""
+        if self._gathered is None or self._gathered[0] is not positions:
+            self._gathered = (positions, self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        return self._gathered[1], self._gathered[2]
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H, D]."""
         if x.is_cuda:
             from gramserve.model import fused_ops
 
             return fused_ops.rope(x, self.cos, self.sin, positions)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self._tables(positions)
         x1, x2 = x.float().chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         return out.to(x.dtype)
@@ -109,6 +127,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
+        self.kernels = None  # the CPU kernel library (`use_cpu_kernels`): RoPE and the K/V store in one call
 
     def forward(
         self,
@@ -136,13 +155,25 @@ class Attention(nn.Module):
                 batch.out_cache_loc,
             )
             return self.o_proj(backend.forward(q, None, None, self.layer, batch, self.scale))
+        if self.kernels is not None and self.q_norm is None and qkv.dim() == 2 and qkv.is_contiguous():
+            from gramserve.model import cpu_kernels
+
+            k_cache, v_cache = backend.kv_cache.k[self.layer], backend.kv_cache.v[self.layer]
+            q = cpu_kernels.rope_store(self.kernels, qkv, self.num_heads, self.num_kv_heads, rope.cos, rope.sin,
+                                       positions, k_cache, v_cache, batch.out_cache_loc)  # fmt: skip
+            return self.o_proj(backend.forward(q, None, None, self.layer, batch, self.scale))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(positions, q), rope(positions, k)
+            q, k = rope(positions, self.q_norm(q)), rope(positions, self.k_norm(k))
+        else:  # q and k are neighbours in qkv: rotate them in one go
+            qk = rope(
+                positions,
+                qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
+            )
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         return self.o_proj(backend.forward(q, k, v, self.layer, batch, self.scale))
 
 
@@ -151,13 +182,19 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.kernels = None  # the CPU kernel library (`use_cpu_kernels`): SiLU-and-multiply in one call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             from gramserve.model import fused_ops
 
             return self.down_proj(fused_ops.silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
+            from gramserve.model import cpu_kernels
+
+            return self.down_proj(cpu_kernels.silu_mul(self.kernels, gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -189,6 +226,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg, max_positions)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head_blocks: BlockLinear | None = None  # set by use_cpu_kernels
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -205,7 +243,55 @@ class LlamaForCausalLM(nn.Module):
             last = batch.last_token_indices()
             x, residual = x[last], residual[last]
         x, _ = self.norm(x, residual)
+        if self.lm_head_blocks is not None:
+            return self.lm_head_blocks(x).float()
         return F.linear(x, self.lm_head_weight).float()
+
+    # --- CPU kernels -----------------------------------------------------------------------------
+
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """Our weights under their HF names (views into the fused parameters)."""
+        out = {"model.embed_tokens.weight": self.embed_tokens.weight}
+        if self.lm_head is not None:
+            out["lm_head.weight"] = self.lm_head.weight
+        for i, layer in enumerate(self.layers):
+            attn, mlp, pre = layer.self_attn, layer.mlp, f"model.layers.{i}."
+            for shard, name in enumerate(("q_proj", "k_proj", "v_proj")):
+                out[f"{pre}self_attn.{name}.weight"] = attn.qkv_proj.weight[self._shard_slice("qkv_proj", shard)]
+            out[f"{pre}self_attn.o_proj.weight"] = attn.o_proj.weight
+            for shard, name in enumerate(("gate_proj", "up_proj")):
+                out[f"{pre}mlp.{name}.weight"] = mlp.gate_up_proj.weight[self._shard_slice("gate_up_proj", shard)]
+            out[f"{pre}mlp.down_proj.weight"] = mlp.down_proj.weight
+        return out
+
+    def use_cpu_kernels(self, lib, blocks: dict[str, BlockWeight]) -> int:
+        """fp32 on a CPU: RMSNorm through the kernel library, and every projection whose weights `blocks` (HF
+        names) covers through the block-quantized matmul. Returns how many projections use blocks."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.kernels = lib
+        swapped = 0
+
+        def swap(owner: nn.Module, attr: str, names: list[str]) -> None:
+            nonlocal swapped
+            if all(n in blocks for n in names):
+                parts = [blocks[n] for n in names]
+                if len({p.bits for p in parts}) == 1:
+                    linear = getattr(owner, attr)
+                    setattr(owner, attr, BlockLinear(linear.weight, linear.bias, BlockWeight.cat(parts), lib))
+                    swapped += 1
+
+        for i, layer in enumerate(self.layers):
+            pre = f"model.layers.{i}."
+            swap(layer.self_attn, "qkv_proj", [f"{pre}self_attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj")])
+            swap(layer.self_attn, "o_proj", [f"{pre}self_attn.o_proj.weight"])
+            swap(layer.mlp, "gate_up_proj", [f"{pre}mlp.{n}.weight" for n in ("gate_proj", "up_proj")])
+            swap(layer.mlp, "down_proj", [f"{pre}mlp.down_proj.weight"])
+        head = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        if head in blocks:
+            self.lm_head_blocks = BlockLinear(self.lm_head_weight, None, blocks[head], lib)
+            swapped += 1
+        return swapped
 
     # --- weights -------------------------------------------------------------------------------
 

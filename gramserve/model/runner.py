@@ -18,7 +18,7 @@ from gramserve.model.attention import create_backend
 from gramserve.model.forward_batch import ForwardBatch
 from gramserve.model.kv_cache import KVCache
 from gramserve.model.llama import LlamaForCausalLM
-from gramserve.model.loader import load_config_dict, resolve_model
+from gramserve.model.loader import default_gguf_path, load_config_dict, resolve_model
 from gramserve.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,10 @@ class RunnerConfig:
     max_step_tokens: int = 512  # most tokens one prefill step runs (activation reserve)
     cuda_graph_max_bs: int = 0  # decode batches up to this size replay CUDA graphs; 0: none
     seed: int = 0  # dummy weights
+    # float32 on a CPU: auto = a GGUF's own Q4_1/Q8_0 blocks for decode (the same weight values, fewer bytes),
+    # floats otherwise; q8_0 = every projection rounded to Q8_0 blocks; float = no blocks.
+    cpu_weights: str = "auto"
+    cpu_kernel_threads: int = 1  # threads of the CPU kernels
 
 
 @dataclass
@@ -57,6 +61,7 @@ class RunnerInfo:
     num_params: int
     load_seconds: float
     attention_backend: str = "torch"
+    cpu_decode: str = "torch"  # CPU decode path: torch | kernels (norms, attention) | kernels+<weight format>
     cuda_graph_max_bs: int = 0  # 0: decode runs without CUDA graphs
     memory: dict | None = None  # GiB: weights, kv_pool, activation reserve, device total (CUDA only)
 
@@ -89,6 +94,7 @@ class ModelRunner:
             self.memory["kv_pool_gib"] = round(self.kv_cache.nbytes / 2**30, 2)
         backend_name = cfg.attention_backend
         self.backend = create_backend(backend_name, self.kv_cache, self.config.num_heads)
+        cpu_decode = self._use_cpu_kernels(kind)
         self.graph_runner = None  # made by init_cuda_graphs once the req_to_token table exists
         self.info = RunnerInfo(
             model_path=path,
@@ -102,6 +108,7 @@ class ModelRunner:
             num_params=self.config.num_params(),
             load_seconds=time.time() - t0,
             attention_backend=backend_name,
+            cpu_decode=cpu_decode,
             memory=self.memory,
         )
         logger.info(
@@ -115,6 +122,34 @@ class ModelRunner:
         )
         if self.memory is not None:
             logger.info("GPU memory (GiB): %s", self.memory)
+
+    def _use_cpu_kernels(self, kind: str) -> str:
+        """float32 on a CPU: norms, decode attention and (where blocks exist) decode matmuls through the kernel
+        library. Returns what the decode runs on, for RunnerInfo and the log."""
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return "torch"
+        from gramserve.model import cpu_kernels
+        from gramserve.model.quant_weights import quantize_q8_0, read_gguf_blocks
+
+        lib = cpu_kernels.load()
+        if lib is None:
+            return "torch"
+        cpu_kernels.set_threads(self.cfg.cpu_kernel_threads)
+        blocks, source = {}, ""
+        gguf = self.cfg.model_path or (default_gguf_path() if kind != "dummy" else None)
+        if self.cfg.cpu_weights == "auto" and kind == "hf" and gguf and gguf.endswith(".gguf"):
+            blocks, source = read_gguf_blocks(gguf, self.model.hf_weights()), "gguf"
+        elif self.cfg.cpu_weights == "q8_0":
+            blocks = {n: quantize_q8_0(w) for n, w in self.model.hf_weights().items() if w.shape[-1] % 32 == 0}
+            source = "q8_0"
+        swapped = self.model.use_cpu_kernels(lib, blocks)
+        if hasattr(self.backend, "use_cpu_kernels"):
+            self.backend.use_cpu_kernels(lib)
+        if not swapped:
+            return "kernels"
+        nbytes = sum(b.nbytes for b in blocks.values())
+        logger.info("CPU decode: %d projections read %s blocks (%.0f MB)", swapped, source, nbytes / 2**20)
+        return f"kernels+{source}"
 
     def _build_model(self) -> LlamaForCausalLM:
         # Built on the meta device so that no time goes into random init of weights we overwrite.

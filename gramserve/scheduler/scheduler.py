@@ -80,6 +80,8 @@ def runner_config(config: ServerConfig) -> RunnerConfig:
         max_step_tokens=settings.chunked_prefill_size or args.max_prefill_tokens,
         cuda_graph_max_bs=settings.cuda_graph_max_bs,
         seed=args.seed,
+        cpu_weights=args.cpu_weights,
+        cpu_kernel_threads=settings.cpu_kernel_threads,
     )
 
 

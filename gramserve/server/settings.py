@@ -69,6 +69,7 @@ def resolve_settings(args: ServerArgs) -> Settings:
         grammar_shards=shards,
         grammar_fill_threads=resolve_fill_threads(args.grammar_fill_threads, shards),
         scheduler_threads=args.num_threads or scheduler_threads(device),
+        cpu_kernel_threads=args.cpu_kernel_threads or available_cores(),
     )
 
 

@@ -1,6 +1,7 @@
 """Attention in plain torch (SDPA), for the CPU and as the GPU reference.
 
-Decode batches gather every request's KV into one padded tensor and attend in one call.
+Decode batches gather every request's KV into one padded tensor and attend in one call; in float32 on a CPU
+with the kernel library (`use_cpu_kernels`), they attend straight over the slots instead (no gather).
 Extend batches attend request by request, with a causal mask offset by the cached prefix.
 """
 
@@ -29,9 +30,18 @@ class ExtendMetadata:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    kernels = None  # the CPU kernel library, for float32 decode
+
+    def use_cpu_kernels(self, lib) -> None:
+        if self.kv_cache.dtype == torch.float32 and self.kv_cache.device.type == "cpu":
+            self.kernels = lib
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = batch.req_to_token
         device = batch.input_ids.device
+        if batch.mode == ForwardMode.DECODE and self.kernels is not None:
+            batch.attn_metadata = "slots"  # the kernel reads req_to_token itself
+            return
         if batch.mode == ForwardMode.DECODE:
             max_len = max(batch.seq_lens_cpu)
             rows = table[batch.req_pool_indices, :max_len].long()
@@ -59,6 +69,12 @@ class TorchAttentionBackend(AttentionBackend):
             self.kv_cache.store(layer, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.kv_cache.k[layer], self.kv_cache.v[layer]
         meta = batch.attn_metadata
+        if batch.mode == ForwardMode.DECODE and self.kernels is not None:
+            from gramserve.model import cpu_kernels
+
+            return cpu_kernels.decode_attention(self.kernels, q.contiguous(), k_buf, v_buf, batch.req_to_token,
+                                                batch.req_pool_indices, batch.seq_lens, scale,
+                                                cpu_kernels.threads())  # fmt: skip
         if batch.mode == ForwardMode.DECODE:
             keys = k_buf[meta.kv_indices].transpose(1, 2)  # [B, Hkv, L, D]
             values = v_buf[meta.kv_indices].transpose(1, 2)

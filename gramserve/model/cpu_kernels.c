@@ -1,0 +1,248 @@
+/* CPU kernels for the decode step (AVX2 + FMA, OpenMP), built on first use by cpu_kernels.py.
+
+   gs_qgemm: y[M, N] = x[M, K] @ W^T for block-quantized W (GGUF's Q4_1 and Q8_0 block formats, repacked):
+     32 weights per block; Q4_1: value = d * q + m with q in 0..15, element j of a block in the low nibble of
+     byte j (j < 16) or the high nibble of byte j - 16; Q8_0: value = d * q with q int8.
+     Blocks are dequantized in registers, so the weights stay 4.5-8.5 bits in memory.
+   gs_rmsnorm: RMSNorm of rows, optionally after adding x into the residual stream in place.
+   gs_decode_attention: one query token per request over its KV slots (paged, page size 1), GQA.
+*/
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MB 8 /* rows of x that share one unpack of a weight block */
+
+static inline float hsum(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline __attribute__((always_inline)) void unpack_block(int bits, const uint8_t *p, __m256 q[4]) {
+    if (bits == 4) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)p);
+        const __m128i mask = _mm_set1_epi8(15);
+        const __m128i lo = _mm_and_si128(b, mask);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+        q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    } else {
+        for (int i = 0; i < 4; i++)
+            q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * i))));
+    }
+}
+
+/* Dot products of `mb` rows of x with one weight row. Each block is dequantized once into four vectors (d * q + m
+   rounded as two operations, which reproduces the float weights transformers makes from the same blocks) and then
+   used by every row. */
+static inline __attribute__((always_inline)) void row_dots(int bits, int mb, const float *x, int K, int nb,
+                                                           const uint8_t *qs, const float *d, const float *m,
+                                                           float *out) {
+    const int bytes = bits == 4 ? 16 : 32;
+    __m256 acc[MB];
+    for (int i = 0; i < mb; i++) acc[i] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m256 w[4];
+        unpack_block(bits, qs + (size_t)b * bytes, w);
+        const __m256 dv = _mm256_set1_ps(d[b]);
+        if (bits == 4) {
+            const __m256 mv = _mm256_set1_ps(m[b]);
+            for (int j = 0; j < 4; j++) w[j] = _mm256_add_ps(_mm256_mul_ps(dv, w[j]), mv);
+        } else {
+            for (int j = 0; j < 4; j++) w[j] = _mm256_mul_ps(dv, w[j]);
+        }
+        for (int i = 0; i < mb; i++) {
+            const float *xb = x + (size_t)i * K + (size_t)b * 32;
+            __m256 a = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[i]);
+            a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), a);
+            a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), a);
+            acc[i] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), a);
+        }
+    }
+    for (int i = 0; i < mb; i++) out[i] = hsum(acc[i]);
+}
+
+#define DOTS(BITS)                                                              \
+    switch (mb) {                                                               \
+    case 1: row_dots(BITS, 1, x, K, nb, qs, d, m, out); break;                     \
+    case 2: row_dots(BITS, 2, x, K, nb, qs, d, m, out); break;                     \
+    case 3: row_dots(BITS, 3, x, K, nb, qs, d, m, out); break;                     \
+    case 4: row_dots(BITS, 4, x, K, nb, qs, d, m, out); break;                     \
+    case 5: row_dots(BITS, 5, x, K, nb, qs, d, m, out); break;                     \
+    case 6: row_dots(BITS, 6, x, K, nb, qs, d, m, out); break;                     \
+    case 7: row_dots(BITS, 7, x, K, nb, qs, d, m, out); break;                     \
+    default: row_dots(BITS, 8, x, K, nb, qs, d, m, out); break;                    \
+    }
+
+static void dots_q4(int mb, const float *x, int K, int nb, const uint8_t *qs, const float *d, const float *m,
+                    float *out) {
+    DOTS(4)
+}
+static void dots_q8(int mb, const float *x, int K, int nb, const uint8_t *qs, const float *d, const float *m,
+                    float *out) {
+    DOTS(8)
+}
+
+/* bits: 4 (Q4_1, m given) or 8 (Q8_0, m NULL). K must be a multiple of 32. */
+int gs_qgemm(int bits, const float *x, int M, int K, const uint8_t *qs, const float *d, const float *m, int N,
+             float *y, int nthreads) {
+    if (K % 32 != 0 || (bits != 4 && bits != 8)) return -1;
+    const int nb = K / 32;
+    const int bytes = bits == 4 ? 16 : 32;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *qrow = qs + (size_t)n * nb * bytes;
+        const float *drow = d + (size_t)n * nb, *mrow = m == NULL ? NULL : m + (size_t)n * nb;
+        for (int m0 = 0; m0 < M; m0 += MB) {
+            const int mb = M - m0 < MB ? M - m0 : MB;
+            float out[MB];
+            if (bits == 4)
+                dots_q4(mb, x + (size_t)m0 * K, K, nb, qrow, drow, mrow, out);
+            else
+                dots_q8(mb, x + (size_t)m0 * K, K, nb, qrow, drow, mrow, out);
+            for (int i = 0; i < mb; i++) y[(size_t)(m0 + i) * N + n] = out[i];
+        }
+    }
+    return 0;
+}
+
+/* out = rmsnorm(x) * w row by row; with residual != NULL, residual += x first and the norm is of the sum. */
+void gs_rmsnorm(const float *x, float *residual, const float *w, float eps, int M, int N, float *out) {
+    for (int i = 0; i < M; i++) {
+        const float *xi = x + (size_t)i * N;
+        float *src = (float *)xi;
+        if (residual != NULL) {
+            src = residual + (size_t)i * N;
+            for (int j = 0; j < N; j++) src[j] += xi[j];
+        }
+        double ss = 0.0;
+        for (int j = 0; j < N; j++) ss += (double)src[j] * src[j];
+        const float r = 1.0f / sqrtf((float)(ss / N) + eps);
+        float *o = out + (size_t)i * N;
+        for (int j = 0; j < N; j++) o[j] = w[j] * (src[j] * r);
+    }
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
+    float s = hsum(acc);
+    for (; j < n; j++) s += a[j] * b[j];
+    return s;
+}
+
+/* exp of 8 lanes (Cephes' polynomial; relative error about 2e-7 for |x| < 88). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                              _mm256_set1_ps(0.5f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+    x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* q [B, Hq, D]; k_cache / v_cache [slots, Hkv, D]; table [rows, table_stride] int32 slots; row_of [B] int64;
+   lens [B] int64 (the new token's KV is already stored); out [B, Hq, D]. One task per (request, KV head): the
+   query heads of a group share each K/V row load. */
+int gs_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
+                        int64_t table_stride, const int64_t *row_of, const int64_t *lens, int B, int Hq, int Hkv,
+                        int D, float scale, float *out, int nthreads) {
+    const int G = Hq / Hkv;
+    int failed = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
+    for (int task = 0; task < B * Hkv; task++) {
+        const int b = task / Hkv, kvh = task % Hkv, L = (int)lens[b];
+        const int Lp = (L + 7) & ~7;
+        const int32_t *slots = table + row_of[b] * table_stride;
+        float *p = (float *)malloc(sizeof(float) * (size_t)G * (Lp > 0 ? Lp : 8));
+        if (p == NULL) {
+            failed = 1;
+            continue;
+        }
+        for (int t = 0; t < L; t++) {
+            const float *kt = k_cache + ((size_t)slots[t] * Hkv + kvh) * D;
+            for (int g = 0; g < G; g++) p[(size_t)g * Lp + t] = scale * dot(q + ((size_t)b * Hq + kvh * G + g) * D, kt, D);
+        }
+        for (int g = 0; g < G; g++) {
+            float *pg = p + (size_t)g * Lp;
+            float mx = -INFINITY;
+            for (int t = 0; t < L; t++) mx = pg[t] > mx ? pg[t] : mx;
+            for (int t = L; t < Lp; t++) pg[t] = -INFINITY;
+            __m256 vs = _mm256_setzero_ps();
+            const __m256 vm = _mm256_set1_ps(mx);
+            for (int t = 0; t < Lp; t += 8) {
+                const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(pg + t), vm));
+                _mm256_storeu_ps(pg + t, e);
+                vs = _mm256_add_ps(vs, e);
+            }
+            const float inv = 1.0f / hsum(vs);
+            float *o = out + ((size_t)b * Hq + kvh * G + g) * D;
+            for (int j = 0; j < D; j++) o[j] = 0.0f;
+            for (int t = 0; t < L; t++) {
+                const float *vt = v_cache + ((size_t)slots[t] * Hkv + kvh) * D;
+                const float pt = pg[t] * inv;
+                const __m256 pv = _mm256_set1_ps(pt);
+                int j = 0;
+                for (; j + 8 <= D; j += 8)
+                    _mm256_storeu_ps(o + j, _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + j), _mm256_loadu_ps(o + j)));
+                for (; j < D; j++) o[j] += pt * vt[j];
+            }
+        }
+        free(p);
+    }
+    return failed ? -2 : 0;
+}
+
+/* RoPE (rotate-half) on the q and k of qkv [T, (Hq + 2 Hkv) * D] and the K/V cache store: q goes to q_out
+   [T, Hq, D], rotated k and v to their slots loc[t]. cos/sin: [positions, D/2]. The arithmetic is torch's
+   (x1 * cos - x2 * sin, x2 * cos + x1 * sin, each product rounded), so the values are the same. */
+void gs_rope_store(const float *qkv, int T, int Hq, int Hkv, int D, const float *cos_tab, const float *sin_tab,
+                   const int64_t *positions, float *k_cache, float *v_cache, const int64_t *loc, float *q_out) {
+    const int half = D / 2, width = (Hq + 2 * Hkv) * D;
+    for (int t = 0; t < T; t++) {
+        const float *row = qkv + (size_t)t * width;
+        const float *c = cos_tab + positions[t] * half, *s = sin_tab + positions[t] * half;
+        for (int h = 0; h < Hq + Hkv; h++) {
+            const float *x = row + (size_t)h * D;
+            float *o = h < Hq ? q_out + ((size_t)t * Hq + h) * D : k_cache + ((size_t)loc[t] * Hkv + (h - Hq)) * D;
+            for (int j = 0; j < half; j++) {
+                const float x1 = x[j], x2 = x[j + half];
+                const float a = x1 * c[j], b = x2 * s[j], e = x2 * c[j], f = x1 * s[j];
+                o[j] = a - b;
+                o[j + half] = e + f;
+            }
+        }
+        const float *v = row + (size_t)(Hq + Hkv) * D;
+        float *vo = v_cache + (size_t)loc[t] * Hkv * D;
+        for (int j = 0; j < Hkv * D; j++) vo[j] = v[j];
+    }
+}
+
+/* out[t, j] = silu(gu[t, j]) * gu[t, I + j] for gu [T, 2I]. */
+void gs_silu_mul(const float *gu, int T, int I, float *out) {
+    for (int t = 0; t < T; t++) {
+        const float *g = gu + (size_t)t * 2 * I, *u = g + I;
+        float *o = out + (size_t)t * I;
+        int j = 0;
+        for (; j + 8 <= I; j += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + j);
+            const __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(sig, _mm256_loadu_ps(u + j)));
+        }
+        for (; j < I; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}

@@ -1,0 +1,202 @@
+"""The CPU decode kernels of `cpu_kernels.c`: built once with the system C compiler, cached, loaded with ctypes.
+
+`load()` returns None (and logs why once) where they cannot run: no AVX2/FMA, no compiler, a failed build, or
+GRAMSERVE_CPU_KERNELS=0. Callers then keep the plain torch path, so the kernels are a speed-up, never a
+requirement. The build is keyed by the source's hash and the compiler, under `~/.cache/gramserve/kernels`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_threads = 1
+
+
+def set_threads(n: int) -> None:
+    """Threads each kernel call uses (the runner sets it from --cpu-kernel-threads)."""
+    global _threads
+    _threads = max(1, int(n))
+
+
+def threads() -> int:
+    return _threads
+
+
+def _cpu_has_avx2_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx2" in flags and "fma" in flags
+
+
+def _cache_dir() -> str:
+    from gramserve.model.loader import cache_root
+
+    return os.path.join(cache_root(), "kernels")
+
+
+def _build(compiler: str) -> str:
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    key = hashlib.sha256(src + compiler.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = os.path.join(_cache_dir(), f"cpu_kernels-{key}.so")
+    if os.path.exists(target):
+        return target
+    os.makedirs(_cache_dir(), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, SOURCE, "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)  # atomic: a concurrent build of the same source writes the same bytes
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, or None where it cannot be used here (the reason is logged once)."""
+    global _lib, _tried
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("GRAMSERVE_CPU_KERNELS", "1") == "0":
+            logger.info("CPU kernels off (GRAMSERVE_CPU_KERNELS=0)")
+            return None
+        if not _cpu_has_avx2_fma():
+            logger.info("CPU kernels off: this CPU lacks AVX2/FMA")
+            return None
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            logger.warning("CPU kernels off: no C compiler (cc/gcc) found; decode runs on torch's kernels")
+            return None
+        # Idle OpenMP threads spin before they sleep; on a small machine a long spin takes the core that the
+        # HTTP server, detokenizer and grammar workers need between two decode steps. Read when libgomp loads.
+        os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+        try:
+            lib = ctypes.CDLL(_build(compiler))
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            logger.warning("CPU kernels off: build failed (%s) %s", exc, detail.decode(errors="replace")[-500:])
+            return None
+        _declare(lib)
+        _lib = lib
+        return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i, f, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int64
+    lib.gs_qgemm.argtypes = [i, p, i, i, p, p, p, i, p, i]
+    lib.gs_qgemm.restype = i
+    lib.gs_rmsnorm.argtypes = [p, p, p, f, i, i, p]
+    lib.gs_rmsnorm.restype = None
+    lib.gs_decode_attention.argtypes = [p, p, p, p, i64, p, p, i, i, i, i, f, p, i]
+    lib.gs_decode_attention.restype = i
+    lib.gs_rope_store.argtypes = [p, i, i, i, i, p, p, p, p, p, p, p]
+    lib.gs_rope_store.restype = None
+    lib.gs_silu_mul.argtypes = [p, i, i, p]
+    lib.gs_silu_mul.restype = None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def qgemm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    bits: int,
+    qs: torch.Tensor,
+    d: torch.Tensor,
+    m: torch.Tensor | None,
+    n: int,
+    threads: int,
+) -> torch.Tensor:
+    """x [M, K] float32 contiguous @ the block-quantized [n, K] weight^T -> [M, n] float32."""
+    y = torch.empty((x.shape[0], n), dtype=torch.float32)
+    rc = lib.gs_qgemm(bits, x.data_ptr(), x.shape[0], x.shape[1], qs.data_ptr(), d.data_ptr(), _ptr(m), n,
+                      y.data_ptr(), threads)  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"gs_qgemm failed ({rc})")
+    return y
+
+
+def rmsnorm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
+    """rmsnorm(x) [* weight]; with `residual` (updated in place to x + residual): rmsnorm of the sum."""
+    out = torch.empty_like(x)
+    lib.gs_rmsnorm(x.data_ptr(), _ptr(residual), weight.data_ptr(), eps, x.shape[0], x.shape[1], out.data_ptr())
+    return out
+
+
+def decode_attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    rows: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    threads: int,
+) -> torch.Tensor:
+    """q [B, Hq, D] contiguous; caches [slots, Hkv, D]; table int32; rows and lens int64 [B]."""
+    b, hq, dim = q.shape
+    rows, lens = rows.to(torch.int64).contiguous(), lens.to(torch.int64).contiguous()
+    out = torch.empty((b, hq * dim), dtype=torch.float32)
+    rc = lib.gs_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+                                 table.stride(0), rows.data_ptr(), lens.data_ptr(), b, hq, k_cache.shape[1], dim,
+                                 scale, out.data_ptr(), threads)  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"gs_decode_attention failed ({rc})")
+    return out
+
+
+def rope_store(
+    lib: ctypes.CDLL,
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE on q and k of qkv [T, (Hq + 2 Hkv) * D] (contiguous) with k and v stored at `loc`; returns q [T, Hq, D].
+    positions and loc: int64."""
+    t, dim = qkv.shape[0], k_cache.shape[-1]
+    positions, loc = positions.to(torch.int64).contiguous(), loc.to(torch.int64).contiguous()
+    q = torch.empty((t, num_heads, dim), dtype=torch.float32)
+    lib.gs_rope_store(qkv.data_ptr(), t, num_heads, num_kv_heads, dim, cos.data_ptr(), sin.data_ptr(),
+                      positions.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), loc.data_ptr(),
+                      q.data_ptr())  # fmt: skip
+    return q
+
+
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2I] (contiguous) -> [T, I]."""
+    t, width = gate_up.shape
+    out = torch.empty((t, width // 2), dtype=torch.float32)
+    lib.gs_silu_mul(gate_up.data_ptr(), t, width // 2, out.data_ptr())
+    return out
