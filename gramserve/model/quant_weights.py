@@ -133,6 +133,62 @@ def read_gguf_blocks(gguf_path: str, float_weights: dict[str, torch.Tensor]) -> 
     return out
 
 
+def save_blocks(path: str, blocks: dict[str, BlockWeight]) -> None:
+    """Write blocks to a safetensors file (atomically), so a restart skips reading and checking the GGUF."""
+    import os
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, b in blocks.items():
+        tensors[f"{name}.q{b.bits}"] = b.qs
+        tensors[f"{name}.d"] = b.d
+        if b.m is not None:
+            tensors[f"{name}.m"] = b.m
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".safetensors", dir=os.path.dirname(path))
+    os.close(fd)
+    try:
+        save_file(tensors, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def load_blocks(path: str) -> dict[str, BlockWeight]:
+    from safetensors.torch import load_file
+
+    tensors = load_file(path)
+    out = {}
+    for key, qs in tensors.items():
+        for bits in (4, 8):
+            if key.endswith(f".q{bits}"):
+                name = key[: -len(f".q{bits}")]
+                out[name] = BlockWeight(bits, qs, tensors[f"{name}.d"], tensors.get(f"{name}.m"))
+    return out
+
+
+def gguf_blocks(gguf_path: str, float_weights: dict[str, torch.Tensor], cache_file: str) -> dict[str, BlockWeight]:
+    """read_gguf_blocks, kept in `cache_file` (next to the converted model, keyed like it by the GGUF)."""
+    import os
+
+    if os.path.exists(cache_file):
+        try:
+            blocks = load_blocks(cache_file)
+            if all(tuple(float_weights[n].shape) == b.shape for n, b in blocks.items() if n in float_weights):
+                return blocks
+        except Exception as exc:  # a damaged cache file is rebuilt
+            logger.warning("ignoring %s: %s", cache_file, exc)
+    blocks = read_gguf_blocks(gguf_path, float_weights)
+    try:
+        save_blocks(cache_file, blocks)
+    except OSError as exc:
+        logger.warning("could not cache the GGUF blocks in %s: %s", cache_file, exc)
+    return blocks
+
+
 def quantize_q8_0(weight: torch.Tensor) -> BlockWeight:
     """Q8_0 blocks of a float [n, k] weight (k a multiple of 32): d = max|w| / 127 per block."""
     n, k = weight.shape

@@ -129,7 +129,7 @@ class ModelRunner:
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return "torch"
         from gramserve.model import cpu_kernels
-        from gramserve.model.quant_weights import quantize_q8_0, read_gguf_blocks
+        from gramserve.model.quant_weights import gguf_blocks, quantize_q8_0
 
         lib = cpu_kernels.load()
         if lib is None:
@@ -138,7 +138,9 @@ class ModelRunner:
         blocks, source = {}, ""
         gguf = self.cfg.model_path or (default_gguf_path() if kind != "dummy" else None)
         if self.cfg.cpu_weights == "auto" and kind == "hf" and gguf and gguf.endswith(".gguf"):
-            blocks, source = read_gguf_blocks(gguf, self.model.hf_weights()), "gguf"
+            # In a subfolder: the model's own *.safetensors are globbed from model_dir.
+            cache_file = os.path.join(self.model_dir, "cpu", "gguf_blocks.safetensors")
+            blocks, source = gguf_blocks(gguf, self.model.hf_weights(), cache_file), "gguf"
         elif self.cfg.cpu_weights == "q8_0":
             blocks = {n: quantize_q8_0(w) for n, w in self.model.hf_weights().items() if w.shape[-1] % 32 == 0}
             source = "q8_0"
