@@ -109,7 +109,7 @@ class ServerArgs:
     # float32 on a CPU, decode matmuls: auto (a GGUF's own Q4_1/Q8_0 blocks: the same weights in fewer bytes)
     # | q8_0 (every projection rounded to Q8_0 blocks) | float (fp32 weights)
     cpu_weights: str = "auto"
-    cpu_kernel_threads: int | None = None  # threads of the CPU decode kernels (None: every available core)
+    cpu_kernel_threads: int | None = None  # threads of the CPU decode kernels (None: --num-threads)
     seed: int = 0
     max_n: int = 128  # largest accepted `n`
     max_request_bytes: int = 16 * 1024 * 1024  # larger request bodies get a 413
@@ -289,8 +289,7 @@ class ServerArgs:
             "--cpu-kernel-threads",
             type=int,
             default=None,
-            help="threads of the CPU decode kernels (default: every available core; a decode step is bound by "
-            "memory bandwidth, which one core does not fill)",
+            help="threads of the CPU decode kernels (default: the scheduler's torch threads, --num-threads)",
         )
         parser.add_argument("--seed", type=int, default=defaults.seed)
         parser.add_argument("--max-n", type=int, default=defaults.max_n)

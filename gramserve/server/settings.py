@@ -36,10 +36,12 @@ def scheduler_threads(device: str) -> int:
         # The model runs on the GPU; host tensor ops are small (ids, bitmask copies). Idle OpenMP threads spin
         # after each parallel op and would take cores from the grammar workers' fill threads.
         return GPU_HOST_THREADS
-    # Leave one core to the HTTP server and detokenizer: torch's OpenMP threads spin, and on a
-    # small machine a contended core slows every matmul several-fold.
+    # A decode step on a CPU is bound by memory bandwidth, which one core does not fill: up to 4 cores the
+    # forward takes them all (2 cores, default model: 22 ms a token through HTTP against 36 ms with one thread;
+    # the HTTP server and detokenizer need about 7% of a core). Past 4, two cores stay with the other processes.
+    # torch and the CPU kernels share one OpenMP runtime, so one count serves both.
     cores = available_cores()
-    return max(1, cores - 1) if cores <= 4 else cores - 2
+    return cores if cores <= 4 else cores - 2
 
 
 def resolve_settings(args: ServerArgs) -> Settings:
@@ -69,7 +71,7 @@ def resolve_settings(args: ServerArgs) -> Settings:
         grammar_shards=shards,
         grammar_fill_threads=resolve_fill_threads(args.grammar_fill_threads, shards),
         scheduler_threads=args.num_threads or scheduler_threads(device),
-        cpu_kernel_threads=args.cpu_kernel_threads or available_cores(),
+        cpu_kernel_threads=args.cpu_kernel_threads or args.num_threads or scheduler_threads(device),
     )
 
 
