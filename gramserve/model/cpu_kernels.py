@@ -1,5 +1,8 @@
 """The CPU decode kernels of `cpu_kernels.c`: built once with the system C compiler, cached, loaded with ctypes.
 
+The library links libgomp by its soname, so in a process that imported torch it shares torch's OpenMP runtime
+(one thread pool; --num-threads sets the count for both).
+
 `load()` returns None (and logs why once) where they cannot run: no AVX2/FMA, no compiler, a failed build, or
 GRAMSERVE_CPU_KERNELS=0. Callers then keep the plain torch path, so the kernels are a speed-up, never a
 requirement. The build is keyed by the source's hash and the compiler, under `~/.cache/gramserve/kernels`.
@@ -90,9 +93,6 @@ def load() -> ctypes.CDLL | None:
         if compiler is None:
             logger.warning("CPU kernels off: no C compiler (cc/gcc) found; decode runs on torch's kernels")
             return None
-        # Idle OpenMP threads spin before they sleep; on a small machine a long spin takes the core that the
-        # HTTP server, detokenizer and grammar workers need between two decode steps. Read when libgomp loads.
-        os.environ.setdefault("GOMP_SPINCOUNT", "20000")
         try:
             lib = ctypes.CDLL(_build(compiler))
         except (OSError, subprocess.SubprocessError) as exc:
