@@ -110,6 +110,7 @@ class ServerArgs:
     # | q8_0 (every projection rounded to Q8_0 blocks) | float (fp32 weights)
     cpu_weights: str = "auto"
     cpu_kernel_threads: int | None = None  # threads of the CPU decode kernels (None: --num-threads)
+    skip_warmup: bool = False  # serve at once, without server/warmup.py's requests before /health turns 200
     seed: int = 0
     max_n: int = 128  # largest accepted `n`
     max_request_bytes: int = 16 * 1024 * 1024  # larger request bodies get a 413
@@ -284,6 +285,12 @@ class ServerArgs:
             help="CPU, float32: what decode matmuls read. auto: a GGUF model's own Q4_1/Q8_0 blocks (the same "
             "weight values as the converted floats, 4-7x fewer bytes), floats for other models; q8_0: every "
             "projection rounded to 8-bit blocks; float: fp32 weights",
+        )
+        parser.add_argument(
+            "--skip-warmup",
+            action="store_true",
+            help="turn /health 200 without first sending warm-up requests of every kind (kernel compiles and "
+            "lazy initializations then fall on the first user requests)",
         )
         parser.add_argument(
             "--cpu-kernel-threads",

@@ -38,9 +38,10 @@ class RMSNorm(nn.Module):
         if self.kernels is not None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
             from gramserve.model import cpu_kernels
 
-            if residual is not None:  # the sum goes into `residual` in place, as on CUDA
+            if residual is None:
+                return cpu_kernels.rmsnorm(self.kernels, x, self.weight, self.eps, None)
+            if residual.is_contiguous() and residual.shape == x.shape:  # the sum goes into `residual` in place
                 return cpu_kernels.rmsnorm(self.kernels, x, self.weight, self.eps, residual), residual
-            return cpu_kernels.rmsnorm(self.kernels, x, self.weight, self.eps, None)
         if residual is not None:
             residual = x + residual
             return self._norm(residual), residual

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -19,11 +20,27 @@ from gramserve.server.request_id import RequestIdMiddleware
 from gramserve.server.tokenizer_manager import TokenizerManager
 
 
+async def _warm_up(config: ServerConfig, tm: TokenizerManager, runner_info: dict) -> None:
+    from gramserve.server.warmup import warm_up, warmup_cases
+
+    settings = config.settings
+    cases = warmup_cases(
+        settings.device, runner_info["context_length"], settings.chunked_prefill_size, settings.max_running_requests
+    )
+    try:
+        await warm_up(tm, cases)
+    finally:
+        tm.health.warming = False
+
+
 def create_app(config: ServerConfig, tm: TokenizerManager, runner_info: dict) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         tm.start()  # the receive loop needs the server's event loop
+        warming = asyncio.create_task(_warm_up(config, tm, runner_info)) if tm.health and tm.health.warming else None
         yield
+        if warming is not None:
+            warming.cancel()
 
     app = FastAPI(title="gramserve", version="0.1.0", lifespan=lifespan)
     register_error_handlers(app)

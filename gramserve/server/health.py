@@ -2,8 +2,9 @@
 
 The scheduler loop writes the monotonic time into a shared double at every turn (at least once a second when
 idle). /health answers 503 while the heartbeat is older than `--watchdog-timeout`, after a child process died,
-and while the server drains for a shutdown; new generation requests get the same 503, and the TokenizerManager
-fails the requests in flight (tokenizer_manager.fail_all) instead of letting them hang.
+while the server drains for a shutdown, and while it warms up (server/warmup.py); new generation requests get the
+same 503, and the TokenizerManager fails the requests in flight (tokenizer_manager.fail_all) instead of letting
+them hang.
 """
 
 from __future__ import annotations
@@ -19,17 +20,20 @@ class ServerHealth:
     watchdog_timeout: float  # seconds without a heartbeat before the scheduler counts as stalled
     dead_child: str | None = None
     draining: bool = False
+    warming: bool = False  # server/warmup.py runs its cases; only its own requests are taken meanwhile
 
     def heartbeat_age(self) -> float | None:
         last = self.heartbeat.value if self.heartbeat is not None else 0.0
         return time.monotonic() - last if last else None
 
-    def problem(self) -> str | None:
-        """Why the server cannot take requests now; None when it can."""
+    def problem(self, warmup_request: bool = False) -> str | None:
+        """Why the server cannot take requests now; None when it can (`warmup_request`: one of the warm-up's)."""
         if self.dead_child is not None:
             return f"the {self.dead_child} process died; the server is stopping"
         if self.draining:
             return "the server is shutting down"
+        if self.warming and not warmup_request:
+            return "the server is warming up"
         age = self.heartbeat_age()
         if age is not None and age > self.watchdog_timeout:
             return f"the scheduler has not responded for {age:.0f} s"

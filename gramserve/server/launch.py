@@ -146,7 +146,7 @@ def launch_server(args: ServerArgs) -> int:
         config = ServerConfig(args, settings, dataclasses.replace(launch, grammar_shm=shm.name))
         pipes = {}
         heartbeat = ctx.Value("d", 0.0, lock=False)  # the scheduler loop's last time.monotonic() (health.py)
-        health = ServerHealth(heartbeat, args.watchdog_timeout)
+        health = ServerHealth(heartbeat, args.watchdog_timeout, warming=not args.skip_warmup)
         children = [
             ("scheduler", functools.partial(run_scheduler_process, heartbeat=heartbeat)),
             ("detokenizer", run_detokenizer_process),

@@ -46,6 +46,7 @@ from gramserve.server.health import ServerHealth
 from gramserve.server.metrics import RequestMetrics, RequestWatch
 from gramserve.server.output_check import CheckTarget, OutputChecker
 from gramserve.server.tool_requests import ToolPlan
+from gramserve.server.warmup import WARMUP_RID_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class TokenizerManager:
         while True:
             await asyncio.sleep(HEALTH_CHECK_S)
             problem = self.health.problem()
-            if problem is not None and not self.health.draining and self.states:
+            if problem is not None and not (self.health.draining or self.health.warming) and self.states:
                 logger.error("%s: failing %d requests in flight", problem, self.fail_all(problem))
 
     # --- tokenization ------------------------------------------------------------------------
@@ -216,7 +217,8 @@ class TokenizerManager:
         anyway: a wrapping generator would cost every output of every request another resumption."""
         rid = rid or uuid.uuid4().hex
         target = self.output_checker.target(grammar, tools)
-        watch = RequestWatch(self.metrics, grammar.kind if grammar else None) if self.metrics is not None else None
+        measured = self.metrics is not None and not rid.startswith(WARMUP_RID_PREFIX)  # warm-up requests: not counted
+        watch = RequestWatch(self.metrics, grammar.kind if grammar else None) if measured else None
         args = (return_logprob, top_logprobs, grammar, priority, is_disconnected, target, watch_calls, watch)
         try:
             if not (retry_invalid and self.check_retries > 0 and target is not None):
@@ -270,7 +272,7 @@ class TokenizerManager:
     ) -> AsyncIterator[GenerateOutput]:
         """One engine request: send it, stream its outputs, check a constrained output at its end."""
         self.start()
-        problem = self.health.problem() if self.health is not None else None
+        problem = self.health.problem(rid.startswith(WARMUP_RID_PREFIX)) if self.health is not None else None
         if problem is not None:
             raise EngineUnavailableError(problem)
         if rid in self.states:
