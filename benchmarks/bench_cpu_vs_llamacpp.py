@@ -57,7 +57,13 @@ def build_llama_server() -> str:
         subprocess.run(["tar", "xzf", sdist, "-C", tmp], check=True)
         src = glob.glob(os.path.join(tmp, "llama_cpp_python-*", "vendor", "llama.cpp"))[0]
         build = os.path.join(src, "build")
-        flags = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_NATIVE=ON"]
+        flags = [
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DGGML_NATIVE=ON",
+            "-DBUILD_SHARED_LIBS=OFF",
+        ]  # one self-contained binary
         subprocess.run(["cmake", "-S", src, "-B", build, *flags], check=True)
         jobs = str(os.cpu_count() or 2)
         subprocess.run(["cmake", "--build", build, "--target", "llama-server", "-j", jobs], check=True)
