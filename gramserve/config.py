@@ -277,7 +277,14 @@ class ServerArgs:
         parser.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=["lpm", "fcfs"])
         parser.add_argument("--disable-radix-cache", action="store_true")
         parser.add_argument("--kv-reserve-ratio", type=float, default=defaults.kv_reserve_ratio)
-        parser.add_argument("--num-threads", type=int, default=None)
+        parser.add_argument(
+            "--num-threads",
+            type=int,
+            default=None,
+            help="torch threads of the scheduler process, and on a CPU of the decode kernels (default: every core "
+            "up to 4, cores - 2 past that; use 1 on a machine shared with other CPU-bound work, where a step would "
+            "wait for a preempted thread)",
+        )
         parser.add_argument(
             "--cpu-weights",
             default=defaults.cpu_weights,
