@@ -94,7 +94,7 @@ def test_rope_store_matches_the_torch_rope_and_fills_the_cache():
     positions = torch.tensor([0, 3, 7, 8, 63])
     loc = torch.tensor([5, 1, 9, 2, 7])
     k_cache, v_cache = torch.zeros(10, hkv, d), torch.zeros(10, hkv, d)
-    q = cpu_kernels.rope_store(lib, qkv, hq, hkv, rope.cos, rope.sin, positions, k_cache, v_cache, loc)
+    q = cpu_kernels.rope_and_store(lib, qkv, hq, hkv, rope.cos, rope.sin, positions, k_cache, v_cache, loc)
     q_ref, k_ref, v_ref = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     assert torch.equal(q, rope(positions, q_ref.reshape(t, hq, d)))  # same arithmetic, same bits
     assert torch.equal(k_cache[loc], rope(positions, k_ref.reshape(t, hkv, d)))

@@ -171,7 +171,7 @@ def decode_attention(
     return out
 
 
-def rope_store(
+def rope_and_store(
     lib: ctypes.CDLL,
     qkv: torch.Tensor,
     num_heads: int,

@@ -6,6 +6,7 @@ Weights are stored fused (qkv_proj, gate_up_proj) to cut the number of matmuls p
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable
 
@@ -130,6 +131,21 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.kernels = None  # the CPU kernel library (`use_cpu_kernels`): RoPE and the K/V store in one call
 
+    def _fused_rope_and_store(self, qkv: torch.Tensor):
+        """The one-call RoPE + K/V store for this device (Triton on CUDA, the C kernel on a CPU), or None where the
+        separate torch ops run (q/k norms between the projection and RoPE, no kernels)."""
+        if self.q_norm is not None:
+            return None
+        if qkv.is_cuda:
+            from gramserve.model import fused_ops
+
+            return fused_ops.rope_and_store
+        if self.kernels is not None and qkv.dim() == 2 and qkv.is_contiguous():
+            from gramserve.model import cpu_kernels
+
+            return functools.partial(cpu_kernels.rope_and_store, self.kernels)
+        return None
+
     def forward(
         self,
         x: torch.Tensor,
@@ -139,29 +155,12 @@ class Attention(nn.Module):
         batch: ForwardBatch,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if qkv.is_cuda and self.q_norm is None:
-            # One kernel: RoPE on q and k, and k/v written straight into their cache slots.
-            from gramserve.model import fused_ops
-
+        fused = self._fused_rope_and_store(qkv)
+        if fused is not None:
+            # One call: RoPE on q and k, and k/v written straight into their cache slots.
             cache = backend.kv_cache
-            q = fused_ops.rope_and_store(
-                qkv,
-                self.num_heads,
-                self.num_kv_heads,
-                rope.cos,
-                rope.sin,
-                positions,
-                cache.k[self.layer],
-                cache.v[self.layer],
-                batch.out_cache_loc,
-            )
-            return self.o_proj(backend.forward(q, None, None, self.layer, batch, self.scale))
-        if self.kernels is not None and self.q_norm is None and qkv.dim() == 2 and qkv.is_contiguous():
-            from gramserve.model import cpu_kernels
-
-            k_cache, v_cache = backend.kv_cache.k[self.layer], backend.kv_cache.v[self.layer]
-            q = cpu_kernels.rope_store(self.kernels, qkv, self.num_heads, self.num_kv_heads, rope.cos, rope.sin,
-                                       positions, k_cache, v_cache, batch.out_cache_loc)  # fmt: skip
+            q = fused(qkv, self.num_heads, self.num_kv_heads, rope.cos, rope.sin, positions,
+                      cache.k[self.layer], cache.v[self.layer], batch.out_cache_loc)  # fmt: skip
             return self.o_proj(backend.forward(q, None, None, self.layer, batch, self.scale))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
