@@ -4,7 +4,9 @@ Every module belongs to one part: the longest matching prefix in `PARTS`. A modu
 part and of the parts that `MAY_IMPORT` lists for it; every import counts (module level, inside functions, under
 TYPE_CHECKING). The layers, top down:
 
-    entry (cli, __main__)
+    entry (cli, __main__, the package's lazy `gramserve.Engine`)
+    extract                 engine, base                            (`gramserve extract`'s job)
+    engine                  server, base                            (the in-process Engine)
     server                  anything below
     scheduler               grammar protocol, model, sampling, base
     detokenizer             base
@@ -28,7 +30,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "gramserve"
 
 PARTS = {
-    "gramserve": "base",  # the (empty) package itself
+    "gramserve": "entry",  # the package's __init__: offers gramserve.Engine (only the package itself: see below)
     "gramserve.config": "base",
     "gramserve.ipc": "base",
     "gramserve.messages": "base",
@@ -43,6 +45,8 @@ PARTS = {
     "gramserve.detokenizer": "detokenizer",
     "gramserve.scheduler": "scheduler",
     "gramserve.server": "server",
+    "gramserve.engine": "engine",
+    "gramserve.extract": "extract",
     "gramserve.cli": "entry",
     "gramserve.__main__": "entry",
 }
@@ -57,14 +61,17 @@ MAY_IMPORT = {
     "detokenizer": {"base"},
     "scheduler": {"grammar protocol", "model", "sampling", "base"},
     "server": {"scheduler", "detokenizer", "grammar", "grammar protocol", "parsers", "model", "sampling", "base"},
-    "entry": {"server", "base"},
+    "engine": {"server", "base"},
+    "extract": {"engine", "base"},
+    "entry": {"extract", "engine", "server", "base"},
 }
 
 
 def part_of(module: str) -> str:
-    """The part of a gramserve module: the longest prefix of it in `PARTS`."""
+    """The part of a gramserve module: the longest prefix of it in `PARTS` (other than the bare package, which
+    names the part of its own __init__ only)."""
     name = module
-    while name not in PARTS:
+    while name not in PARTS or (name == "gramserve" and module != "gramserve"):
         if "." not in name:
             raise KeyError(f"{module} belongs to no part: add it to PARTS")
         name = name.rsplit(".", 1)[0]

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -37,9 +38,10 @@ def error_response(
     return JSONResponse(body.model_dump(), status_code=status)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """A request body's validation errors (pydantic's `errors()`) as one message, and the first field named."""
     parts, param = [], None
-    for err in exc.errors():
+    for err in errors:
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         if param is None and loc:
             param = loc[0]
@@ -48,7 +50,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def _on_validation(exc: RequestValidationError) -> JSONResponse:
-    msg, param = _validation_message(exc)
+    msg, param = validation_message(exc.errors())
     return error_response(400, msg, param=param)
 
 

@@ -27,7 +27,7 @@ from gramserve.server.request_checks import (
 )
 from gramserve.server.request_id import engine_rid_base, response_id
 from gramserve.server.sampling_request import openai_sampling_params
-from gramserve.server.streaming import SSE_DONE, STREAM_ERRORS_PASSED_ON, error_event, prefetch_first, sse
+from gramserve.server.streaming import prefetch_first, sse_stream
 from gramserve.server.structured_outputs import checked_backend, grammar_from_fields, with_schema_in_prompt
 from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 from gramserve.server.tool_requests import ToolPlan, plan_tools, render_messages, template_supports_tools, tool_grammar
@@ -297,6 +297,10 @@ class OpenAIServing:
 
     async def chat_stream(self, req: P.ChatCompletionRequest, is_disconnected) -> AsyncIterator[str]:
         """Validates eagerly (errors raise before the first byte), then returns the SSE stream."""
+        return sse_stream(await self.chat_chunks(req, is_disconnected))
+
+    async def chat_chunks(self, req: P.ChatCompletionRequest, is_disconnected) -> AsyncIterator[P.ChatCompletionChunk]:
+        """Validates eagerly (errors raise here), then returns the stream's chunks (a failure midway raises)."""
         setup = await self._prepare(self._chat_setup, req)
         top = setup.top_logprobs
         rid = response_id("chatcmpl")
@@ -305,19 +309,17 @@ class OpenAIServing:
         merged = await prefetch_first(self._chat_requests(setup, req, rid, is_disconnected, whole=False))
         choice_streams = [ChoiceStream(setup.tools, setup.reasoning()) for _ in range(req.n)]
 
-        async def stream() -> AsyncIterator[str]:
+        async def chunks() -> AsyncIterator:
             totals = [0] * req.n
             prompt = cached = 0
-            for i in range(req.n):
-                yield sse(
-                    P.ChatCompletionChunk(
+            ended = [False] * req.n  # a choice that repeated a call ends before its engine request does
+            try:
+                for i in range(req.n):
+                    yield P.ChatCompletionChunk(
                         id=rid,
                         model=self.model_name,
                         choices=[P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))],
                     )
-                )
-            ended = [False] * req.n  # a choice that repeated a call ends before its engine request does
-            try:
                 async for i, out in merged:
                     if ended[i]:
                         continue
@@ -344,22 +346,15 @@ class OpenAIServing:
                         matched_stop=out.matched_stop if out.finished is not None else None,
                     )
                     usage = self._usage(prompt, totals[i], cached) if continuous else None
-                    yield sse(P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[choice], usage=usage))
+                    yield P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[choice], usage=usage)
                 if include_usage:
-                    yield sse(
-                        P.ChatCompletionChunk(
-                            id=rid, model=self.model_name, choices=[], usage=self._usage(prompt, sum(totals), cached)
-                        )
+                    yield P.ChatCompletionChunk(
+                        id=rid, model=self.model_name, choices=[], usage=self._usage(prompt, sum(totals), cached)
                     )
-            except STREAM_ERRORS_PASSED_ON:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the stream has started: the error is its last event
-                yield error_event(exc)
             finally:
                 await merged.aclose()
-            yield SSE_DONE
 
-        return stream()
+        return chunks()
 
     # --- completions --------------------------------------------------------------------------
 
@@ -458,6 +453,10 @@ class OpenAIServing:
 
     async def completions_stream(self, req: P.CompletionRequest, is_disconnected) -> AsyncIterator[str]:
         """Validates eagerly (errors raise before the first byte), then returns the SSE stream."""
+        return sse_stream(await self.completion_chunks(req, is_disconnected))
+
+    async def completion_chunks(self, req: P.CompletionRequest, is_disconnected) -> AsyncIterator[P.CompletionResponse]:
+        """Validates eagerly (errors raise here), then returns the stream's chunks (a failure midway raises)."""
         setup = await self._prepare(self._completion_setup, req)
         rid = response_id("cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -467,7 +466,7 @@ class OpenAIServing:
             )
         )
 
-        async def stream() -> AsyncIterator[str]:
+        async def chunks() -> AsyncIterator:
             totals = [0] * req.n
             offsets = [0] * req.n
             prompt = cached = 0
@@ -480,33 +479,24 @@ class OpenAIServing:
                     if req.logprobs is not None:
                         lp = self._completion_logprobs(out.logprobs or [], offsets[i])
                     offsets[i] += len(out.text)
-                    yield sse(
-                        P.CompletionResponse(
-                            id=rid,
-                            model=self.model_name,
-                            choices=[
-                                P.CompletionChoice(
-                                    index=i,
-                                    text=out.text,
-                                    logprobs=lp,
-                                    finish_reason=out.finish_reason,
-                                    matched_stop=out.matched_stop,
-                                )
-                            ],
-                        )
+                    yield P.CompletionResponse(
+                        id=rid,
+                        model=self.model_name,
+                        choices=[
+                            P.CompletionChoice(
+                                index=i,
+                                text=out.text,
+                                logprobs=lp,
+                                finish_reason=out.finish_reason,
+                                matched_stop=out.matched_stop,
+                            )
+                        ],
                     )
                 if include_usage:
-                    yield sse(
-                        P.CompletionResponse(
-                            id=rid, model=self.model_name, choices=[], usage=self._usage(prompt, sum(totals), cached)
-                        )
+                    yield P.CompletionResponse(
+                        id=rid, model=self.model_name, choices=[], usage=self._usage(prompt, sum(totals), cached)
                     )
-            except STREAM_ERRORS_PASSED_ON:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the stream has started: the error is its last event
-                yield error_event(exc)
             finally:
                 await merged.aclose()
-            yield SSE_DONE
 
-        return stream()
+        return chunks()

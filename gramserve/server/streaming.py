@@ -1,5 +1,6 @@
 """Server-sent events: the `data:` framing, the error event that ends a stream which fails after its first byte,
-and prefetch_first, which keeps errors before the first token plain HTTP errors."""
+sse_stream (a stream of response objects as events), and prefetch_first, which keeps errors before the first token
+plain HTTP errors."""
 
 from __future__ import annotations
 
@@ -50,3 +51,17 @@ async def prefetch_first(gen: AsyncIterator) -> AsyncIterator:
             await gen.aclose()
 
     return rest()
+
+
+async def sse_stream(items: AsyncIterator[Any]) -> AsyncIterator[str]:
+    """Each item (a response model or a dict) as one event, then [DONE]; a failure midway becomes the last event."""
+    try:
+        async for item in items:
+            yield sse(item)
+    except STREAM_ERRORS_PASSED_ON:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the stream has started: the error is its last event
+        yield error_event(exc)
+    finally:
+        await items.aclose()
+    yield SSE_DONE

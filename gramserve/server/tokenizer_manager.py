@@ -124,6 +124,15 @@ class TokenizerManager:
             if self.health is not None:
                 self._health_task = loop.create_task(self._watch_health())
 
+    def close(self) -> None:
+        """Stop receiving and release the sockets and the prep threads (an Engine's shutdown; on its event loop)."""
+        for task in (self._recv_task, self._health_task):
+            if task is not None:
+                task.cancel()
+        self._recv_task = self._health_task = None
+        self.ctx.destroy(linger=0)
+        self._prep.shutdown(wait=False, cancel_futures=True)
+
     def fail_all(self, message: str) -> int:
         """End every request in flight with a 503 (raised by its generator); returns how many there were."""
         for state in self.states.values():

@@ -137,7 +137,8 @@ async def warm_up(tm, cases: list[WarmupCase], timeout: float = 600.0) -> float:
     t0 = time.monotonic()
     logger.info("warming up: %d cases (--skip-warmup to start without)", len(cases))
     timings = []
-    with tqdm(total=len(cases), desc="warm-up", file=sys.stderr, leave=True, mininterval=0) as bar:
+    quiet = not logger.isEnabledFor(logging.INFO)  # an Engine in a program that keeps our INFO logs off
+    with tqdm(total=len(cases), desc="warm-up", file=sys.stderr, leave=True, mininterval=0, disable=quiet) as bar:
         for i, case in enumerate(cases):
             bar.set_postfix_str(case.name)
             start = time.monotonic()
@@ -150,3 +151,16 @@ async def warm_up(tm, cases: list[WarmupCase], timeout: float = 600.0) -> float:
     total = time.monotonic() - t0
     logger.info("warm-up done in %.1f s: %s", total, "; ".join(timings))
     return total
+
+
+async def warm_up_server(config, tm, runner_info: dict) -> None:
+    """The warm-up of a started server or Engine: its configuration's cases, then `health.warming` cleared (even when
+    a case fails or the warm-up is cancelled)."""
+    settings = config.settings
+    cases = warmup_cases(
+        settings.device, runner_info["context_length"], settings.chunked_prefill_size, settings.max_running_requests
+    )
+    try:
+        await warm_up(tm, cases)
+    finally:
+        tm.health.warming = False

@@ -1,0 +1,129 @@
+"""SGLang's native generation: a GenerateRequest (text or input_ids plus a sampling_params dict) run through the
+TokenizerManager, answered as SGLang's {"text", "output_ids", "meta_info"} payload, whole or as a stream of
+payloads that each carry the whole output so far. Used by the /generate route and by Engine.generate."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from gramserve.config import ServerArgs
+from gramserve.messages import GrammarRequest, TokenLogprob
+from gramserve.sampling.params import SamplingParams
+from gramserve.server import protocol as P
+from gramserve.server.request_checks import check_native_prompt, check_prompt
+from gramserve.server.sampling_request import native_sampling_params
+from gramserve.server.streaming import prefetch_first
+from gramserve.server.structured_outputs import grammar_from_fields
+from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
+
+INLINE_ENCODE_CHARS = 64 * 1024  # longer texts are tokenized off the event loop
+
+# sampling_params keys that constrain the output (structured_outputs.py reads them) rather than sample
+NATIVE_GRAMMAR_KEYS = frozenset(
+    {
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+        "choice",
+        "grammar_backend",
+        "response_format",
+        "structured_outputs",
+    }
+)
+
+
+@dataclass
+class NativeSetup:
+    """What a native request turns into before it runs."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    grammar: GrammarRequest | None
+
+
+def payload(req: P.GenerateRequest, text: str, ids: list[int], out: GenerateOutput, lps: list[TokenLogprob]) -> dict:
+    meta = {
+        "id": req.rid,
+        "finish_reason": out.finished.to_json() if out.finished else None,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "cached_tokens": out.cached_tokens,
+        "grammar_backend": out.grammar_backend,
+    }
+    if req.return_logprob:
+        meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in lps]
+        meta["output_top_logprobs"] = [[[v, i] for i, v in lp.top] for lp in lps]
+    return {"text": text, "output_ids": ids, "meta_info": meta}
+
+
+class NativeServing:
+    def __init__(self, args: ServerArgs, tm: TokenizerManager):
+        self.args = args
+        self.tm = tm
+
+    async def prepare(self, req: P.GenerateRequest) -> NativeSetup:
+        """Check the request, tokenize its text, build its sampling params and grammar (errors raise here)."""
+        tm = self.tm
+        check_native_prompt(req)
+        if req.input_ids is not None:
+            input_ids = req.input_ids
+        elif len(req.text) > INLINE_ENCODE_CHARS:
+            input_ids = await tm.off_loop(tm.encode, req.text)
+        else:
+            input_ids = tm.encode(req.text)
+        sampling = dict(req.sampling_params)
+        fields = {k: sampling.pop(k) for k in list(sampling) if k in NATIVE_GRAMMAR_KEYS}
+        grammar = grammar_from_fields(fields, self.args)
+        params = native_sampling_params(sampling, tm.vocab_size)
+        check_prompt(input_ids, params.max_new_tokens, tm.vocab_size, tm.context_length)
+        return NativeSetup(input_ids, params, grammar)
+
+    async def _outputs(self, req: P.GenerateRequest, is_disconnected, whole: bool) -> AsyncIterator[GenerateOutput]:
+        setup = await self.prepare(req)
+        return await prefetch_first(  # engine errors before the first token raise here, not inside a stream
+            self.tm.generate(
+                setup.input_ids,
+                setup.params,
+                rid=req.rid,
+                return_logprob=req.return_logprob,
+                top_logprobs=req.top_logprobs_num,
+                grammar=setup.grammar,
+                priority=req.priority,
+                is_disconnected=is_disconnected,
+                retry_invalid=whole,
+            )
+        )
+
+    async def generate(self, req: P.GenerateRequest, is_disconnected=None) -> dict:
+        """The whole answer (a constrained output that fails the last check is sampled again)."""
+        gen = await self._outputs(req, is_disconnected, whole=True)
+        text, ids, lps, last = "", [], [], None
+        try:
+            async for out in gen:
+                text += out.text
+                ids += out.token_ids
+                lps += out.logprobs or []
+                last = out
+        finally:
+            await gen.aclose()
+        return payload(req, text, ids, last, lps)
+
+    async def generate_stream(self, req: P.GenerateRequest, is_disconnected=None) -> AsyncIterator[dict]:
+        """Validates eagerly (errors raise before the first payload), then returns the payloads, each carrying the
+        whole output so far, as SGLang's do."""
+        gen = await self._outputs(req, is_disconnected, whole=False)
+
+        async def payloads() -> AsyncIterator[dict]:
+            text, ids, lps = "", [], []
+            try:
+                async for out in gen:
+                    text += out.text
+                    ids += out.token_ids
+                    lps += out.logprobs or []
+                    yield payload(req, text, ids, out, lps)
+            finally:
+                await gen.aclose()
+
+        return payloads()

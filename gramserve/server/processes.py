@@ -1,0 +1,227 @@
+"""The engine's processes: resolve the settings, derive the launch record, start the scheduler, detokenizer and
+grammar worker processes, wait until the scheduler has loaded the model, watch them, and stop them.
+
+Shared by the HTTP server (launch.py) and the in-process Engine (gramserve/engine.py): everything below the OpenAI
+layer starts the same way for both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from gramserve.config import LaunchInfo, ServerArgs, ServerConfig, Settings
+from gramserve.detokenizer.process import run_detokenizer_process
+from gramserve.grammar.grammar_shm import create_grammar_shm
+from gramserve.grammar.worker import run_grammar_worker, worker_name
+from gramserve.model.loader import default_tokenizer_dir, load_config_dict, resolve_model
+from gramserve.model.model_config import ModelConfig
+from gramserve.scheduler.process import run_scheduler_process
+from gramserve.server.health import ServerHealth
+from gramserve.server.settings import resolve_settings
+
+logger = logging.getLogger("gramserve")
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+def tokenizer_dir_for(args: ServerArgs) -> str:
+    """The folder whose tokenizer and chat template we use (also converts a GGUF once)."""
+    if args.tokenizer_path:
+        return args.tokenizer_path
+    path, kind = resolve_model(args.model_path, args.load_format)
+    if kind == "hf":
+        return path
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    if os.path.exists(os.path.join(folder, "tokenizer.json")) or os.path.exists(
+        os.path.join(folder, "tokenizer_config.json")
+    ):
+        return folder
+    return default_tokenizer_dir()
+
+
+def resolve_parsers(args: ServerArgs, tokenizer) -> tuple[str, tuple[str, ...]]:
+    """The tool-call parser's name (detected from the chat template unless given) and the markers of it and
+    of the reasoning parser, which grammars may match as single special tokens."""
+    from gramserve.parsers.reasoning import get_reasoning_parser
+    from gramserve.parsers.tool_calls import detect_tool_call_parser, get_tool_call_parser
+
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = "\n".join(t for t in template.values() if isinstance(t, str))
+    try:
+        name = args.tool_call_parser or detect_tool_call_parser(template, None)
+        markers = list(get_tool_call_parser(name).markers)
+        if args.reasoning_parser:
+            cls = get_reasoning_parser(args.reasoning_parser)
+            markers += [cls.start_marker, cls.end_marker]
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
+    return name, tuple(dict.fromkeys(markers))
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template: a Jinja file (.jinja or any existing path) or the template text itself."""
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if value.endswith((".jinja", ".j2", ".txt")):
+        raise StartupError(f"--chat-template: no such file {value!r}")
+    return value
+
+
+def _child_entry(target, config: ServerConfig, pipe) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    target(config, pipe)
+
+
+def _wait_ready(name: str, proc: mp.Process, pipe, timeout: float = 600.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pipe.poll(0.5):
+            try:
+                msg = pipe.recv()
+            except EOFError:  # it exited before saying anything (e.g. a script without `if __name__ == "__main__"`)
+                proc.join(timeout=5)
+                raise StartupError(f"{name} process died during start-up (exit code {proc.exitcode})") from None
+            if isinstance(msg, dict) and "error" in msg:
+                raise StartupError(f"{name} failed to start: {msg['error']}")
+            return msg
+        if not proc.is_alive():
+            raise StartupError(f"{name} process died during start-up (exit code {proc.exitcode})")
+    raise StartupError(f"{name} did not become ready in {timeout:.0f} s")
+
+
+def describe_settings(settings: Settings) -> str:
+    return ", ".join(f"{k}={v}" for k, v in settings.to_dict().items())
+
+
+def derive_launch_info(args: ServerArgs, tokenizer_dir: str, ipc_dir: str, tokenizer) -> LaunchInfo:
+    """What the child processes need besides the arguments: the tokenizer folder, the vocabulary, EOS ids and
+    the resolved parsers (the grammar shared memory's name is added once it exists)."""
+    model_cfg = ModelConfig.from_dict(load_config_dict(resolve_model(args.model_path, args.load_format)[0]))
+    eos = set(model_cfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    parser, text_tokens = resolve_parsers(args, tokenizer)
+    return LaunchInfo(
+        tokenizer_dir=tokenizer_dir,
+        ipc_dir=ipc_dir,
+        vocab_size=model_cfg.vocab_size,
+        eos_token_ids=tuple(sorted(eos)),
+        tool_call_parser=parser,
+        grammar_text_tokens=text_tokens,
+    )
+
+
+@dataclass
+class EngineProcesses:
+    """The running child processes of one engine, and what the main process needs to talk to them."""
+
+    config: ServerConfig
+    tokenizer: Any
+    runner_info: dict  # the scheduler's ready message: context length, KV pool size, vocabulary, ...
+    health: ServerHealth
+    procs: dict[str, mp.Process] = field(default_factory=dict)
+    _ipc_dir: str = ""
+    _shm: Any = None
+
+    def dead_child(self) -> str | None:
+        return next((name for name, proc in self.procs.items() if not proc.is_alive()), None)
+
+    def watch(self, on_death: Callable[[str], None], should_stop: Callable[[], bool]) -> threading.Thread:
+        """A daemon thread that calls `on_death(name)` once when a child process dies (health records it first)."""
+
+        def loop() -> None:
+            while not should_stop():
+                name = self.dead_child()
+                if name is not None:
+                    logger.error("%s process died (exit code %s); shutting down", name, self.procs[name].exitcode)
+                    self.health.dead_child = name
+                    on_death(name)
+                    return
+                time.sleep(0.5)
+
+        thread = threading.Thread(target=loop, name="child-watchdog", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        """Stop the children (terminate, then kill), remove the ipc folder and the grammar shared memory."""
+        _stop_processes(self.procs)
+        self.procs = {}
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        if self._shm is not None:
+            self._shm.close()
+            self._shm.unlink()
+            self._shm = None
+
+
+def start_engine_processes(args: ServerArgs) -> EngineProcesses:
+    """Start every child process and wait until each is ready; raises StartupError (or ValueError for settings that
+    do not fit together) after stopping whatever had started."""
+    ipc_dir = tempfile.mkdtemp(prefix="gramserve-ipc-")
+    ctx = mp.get_context("spawn")
+    procs: dict[str, mp.Process] = {}
+    shm = None
+    try:
+        from transformers import AutoTokenizer
+
+        settings = resolve_settings(args)
+        logger.info("settings: %s", describe_settings(settings))
+        tokenizer_dir = tokenizer_dir_for(args)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        if args.chat_template:
+            tokenizer.chat_template = read_chat_template(args.chat_template)
+        launch = derive_launch_info(args, tokenizer_dir, ipc_dir, tokenizer)
+        shm = create_grammar_shm(settings.max_running_requests, launch.vocab_size)
+        config = ServerConfig(args, settings, dataclasses.replace(launch, grammar_shm=shm.name))
+        pipes = {}
+        heartbeat = ctx.Value("d", 0.0, lock=False)  # the scheduler loop's last time.monotonic() (health.py)
+        health = ServerHealth(heartbeat, args.watchdog_timeout, warming=not args.skip_warmup)
+        children = [
+            ("scheduler", functools.partial(run_scheduler_process, heartbeat=heartbeat)),
+            ("detokenizer", run_detokenizer_process),
+        ]
+        children += [
+            (worker_name(i, settings.grammar_shards), functools.partial(run_grammar_worker, shard=i))
+            for i in range(settings.grammar_shards)
+        ]
+        for name, target in children:
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child_entry, args=(target, config, writer), name=name)
+            proc.start()
+            procs[name], pipes[name] = proc, reader
+        for name, _ in children[1:]:
+            _wait_ready(name, procs[name], pipes[name])
+        ready = _wait_ready("scheduler", procs["scheduler"], pipes["scheduler"])
+        return EngineProcesses(config, tokenizer, ready["runner"], health, procs, ipc_dir, shm)
+    except BaseException:
+        _stop_processes(procs)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        if shm is not None:
+            shm.close()
+            shm.unlink()
+        raise
+
+
+def _stop_processes(procs: dict[str, mp.Process]) -> None:
+    for proc in procs.values():
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs.values():
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
