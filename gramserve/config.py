@@ -160,6 +160,15 @@ class ServerArgs:
     chat_template: str | None = None  # a Jinja file or template text replacing the tokenizer's
     tool_call_parser: str | None = None  # default: detected from the chat template (hermes when unclear)
     reasoning_parser: str | None = None  # e.g. deepseek-r1, qwen3, qwen3-thinking; None: no reasoning split
+    # Batch API (server/batch/, docs/batch.md)
+    # uploaded files, batch outputs and their SQLite metadata; None: $GRAMSERVE_DATA_DIR, else
+    # $XDG_DATA_HOME/gramserve (~/.local/share/gramserve)
+    data_dir: str | None = None
+    max_file_bytes: int = 200 * 1024 * 1024  # larger uploads to POST /v1/files get a 413
+    batch_max_requests: int = 50_000  # request lines one batch input file may hold
+    # batch lines running at once, over every batch (None: a quarter of max_running_requests, at most half of
+    # --max-queued-requests), so interactive requests always find room
+    batch_max_in_flight: int | None = None
 
     def __post_init__(self):
         # Combinations argparse cannot check alone (the command line turns these into usage errors).
@@ -167,6 +176,10 @@ class ServerArgs:
             raise ValueError(f"grammar_shards must be at least 1, got {self.grammar_shards}")
         if self.sampling_backend == "flashinfer" and device_kind(self.device) != "cuda":
             raise ValueError("--sampling-backend flashinfer needs a CUDA device")
+        for name in ("max_file_bytes", "batch_max_requests", "batch_max_in_flight"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
 
     @property
     def model_name(self) -> str:
@@ -445,6 +458,33 @@ class ServerArgs:
             "--reasoning-parser",
             default=None,
             help="split reasoning into reasoning_content (deepseek-r1, qwen3, qwen3-thinking)",
+        )
+        batch = parser.add_argument_group("Batch API", "OpenAI's /v1/files and /v1/batches (docs/batch.md)")
+        batch.add_argument(
+            "--data-dir",
+            default=os.environ.get("GRAMSERVE_DATA_DIR") or None,
+            help="folder of uploaded files, batch outputs and their metadata (gramserve.sqlite); unfinished batches "
+            "resume from it after a restart (default: $GRAMSERVE_DATA_DIR, else ~/.local/share/gramserve)",
+        )
+        batch.add_argument(
+            "--max-file-bytes",
+            type=_positive_int,
+            default=defaults.max_file_bytes,
+            help="largest file POST /v1/files accepts; larger uploads get a 413 (default: 200 MiB)",
+        )
+        batch.add_argument(
+            "--batch-max-requests",
+            type=_positive_int,
+            default=defaults.batch_max_requests,
+            help="request lines one batch input file may hold; a batch over it is refused with a 400",
+        )
+        batch.add_argument(
+            "--batch-max-in-flight",
+            type=_positive_int,
+            default=defaults.batch_max_in_flight,
+            help="engine requests of batch lines running or queued at once, over every batch (default: a quarter "
+            "of --max-running-requests, at most half of --max-queued-requests); batch lines also run after every "
+            "interactive request in the waiting queue",
         )
 
     @classmethod

@@ -63,7 +63,9 @@ def start_server(tmp_dir: str, *extra: str, wait: bool = True) -> ServerProcess:
     log_path = os.path.join(tmp_dir, f"server-{port}.log")
     cmd = [sys.executable, "-m", "gramserve", "serve", "--port", str(port), *extra]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # The Batch API's data folder: the test's own, never the user's (a test may pass --data-dir).
+    env = {**os.environ, "GRAMSERVE_DATA_DIR": os.path.join(tmp_dir, f"data-{port}")}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
     if wait:
         wait_healthy(server)

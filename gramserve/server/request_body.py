@@ -45,15 +45,24 @@ def parse_json_object(raw: bytes) -> dict:
     return body
 
 
+def set_body_bytes(size: int) -> None:
+    """Record the size of the body being served (for work outside an HTTP request: a batch line, in its task)."""
+    _BODY_BYTES.set(size)
+
+
 async def read_json_object(request: Request) -> dict:
     raw = await request.body()
-    _BODY_BYTES.set(len(raw))
+    set_body_bytes(len(raw))
     return parse_json_object(raw)
 
 
-async def parse_body(request: Request, model_cls: type[ModelT]) -> ModelT:
-    body = await read_json_object(request)
+def validate_body(body: dict, model_cls: type[ModelT]) -> ModelT:
+    """A JSON object as `model_cls`; pydantic's errors become a RequestValidationError (a 400, error_handlers.py)."""
     try:
         return model_cls.model_validate(body)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from exc
+
+
+async def parse_body(request: Request, model_cls: type[ModelT]) -> ModelT:
+    return validate_body(await read_json_object(request), model_cls)

@@ -29,6 +29,12 @@ def current_request_id() -> str:
     return current[0] if current else uuid.uuid4().hex
 
 
+def set_request_id(request_id: str) -> None:
+    """Make `request_id` the id of the work in this task's context, outside an HTTP request (a batch line): its
+    response id and engine request ids then carry it."""
+    _CURRENT.set((request_id, False))
+
+
 def response_id(prefix: str) -> str:
     return f"{prefix}-{current_request_id()}"
 
