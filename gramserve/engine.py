@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -91,9 +92,13 @@ class Engine:
         except BaseException:
             self.shutdown()
             raise
-        self._procs.watch(self._on_child_death, lambda: self._closed)
-        # Children are stopped even if the program forgets shutdown(); the weak reference lets the Engine be freed.
+        # The watchdog and the atexit hook hold the Engine weakly, so a dropped Engine is freed (and __del__ stops its
+        # children); one still alive at exit is shut down then.
         ref = weakref.ref(self)
+        tm, health = self.tm, self._procs.health
+        self._procs.watch(
+            lambda _name: tm.fail_all_threadsafe(health.problem()), lambda: (e := ref()) is None or e._closed
+        )
         self._atexit = lambda: (engine := ref()) is not None and engine.shutdown()
         atexit.register(self._atexit)
 
@@ -308,7 +313,9 @@ class Engine:
                         put(_as_dict(item))
                 finally:
                     await items.aclose()
-            except asyncio.CancelledError:
+            except asyncio.CancelledError:  # by the consumer (nobody reads this) or by shutdown()
+                with contextlib.suppress(RuntimeError):  # the consumer's loop may be gone
+                    put(_Failed(RuntimeError("the stream was cancelled: the Engine is shutting down")))
                 raise
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
                 put(_Failed(exc))
@@ -324,7 +331,11 @@ class Engine:
     def _iterate(self, start: Awaitable[AsyncIterator]) -> Iterator[dict]:
         items: queue.Queue = queue.Queue()
         future = self._pump(start, items.put)
-        first = items.get()  # errors in the request raise here, before an iterator is handed out
+        try:
+            first = items.get()  # errors in the request raise here, before an iterator is handed out
+        except BaseException:
+            future.cancel()
+            raise
         if isinstance(first, _Failed):
             raise first.exc
 
@@ -337,13 +348,19 @@ class Engine:
             finally:
                 future.cancel()  # a consumer that stops early aborts the request
 
-        return iterate()
+        stream = iterate()
+        weakref.finalize(stream, future.cancel)  # and so does one that drops it unread
+        return stream
 
     async def _aiterate(self, start: Awaitable[AsyncIterator]) -> AsyncIterator[dict]:
         loop = asyncio.get_running_loop()
         items: asyncio.Queue = asyncio.Queue()
         future = self._pump(start, lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
-        first = await items.get()
+        try:
+            first = await items.get()
+        except BaseException:
+            future.cancel()
+            raise
         if isinstance(first, _Failed):
             raise first.exc
 
@@ -356,12 +373,11 @@ class Engine:
             finally:
                 future.cancel()
 
-        return iterate()
+        stream = iterate()
+        weakref.finalize(stream, future.cancel)
+        return stream
 
     # --- lifetime ------------------------------------------------------------------------------------------
-
-    def _on_child_death(self, _name: str) -> None:
-        self.tm.fail_all_threadsafe(self._procs.health.problem())
 
     def shutdown(self) -> None:
         """Fail what still runs, stop the event loop and the child processes. Safe to call twice."""
@@ -376,6 +392,13 @@ class Engine:
                 if tm is not None:
                     tm.fail_all("the engine is shutting down")
                     await asyncio.sleep(0)  # let the failed requests see it
+                # What is left (a prompt still being tokenized, a call that came in just now) is cancelled: its
+                # caller gets CancelledError rather than waiting forever.
+                others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for task in others:
+                    task.cancel()
+                await asyncio.wait(others, timeout=5) if others else None
+                if tm is not None:
                     tm.close()
 
             try:

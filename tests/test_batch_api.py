@@ -348,7 +348,7 @@ def test_a_restart_mid_batch_loses_nothing_and_runs_nothing_twice(deployment):
     assert batch.status == "in_progress" and batch.request_counts.completed < 40, batch
     assert deployment.server.stop() == 0  # SIGTERM, --shutdown-timeout 0: the lines running now fail
     log = deployment.server.log()
-    assert "it will run again" in log or "received SIGTERM" in log
+    assert "it will run again" in log  # lines were running at the SIGTERM: aborted, not recorded
 
     deployment.start()  # warm-up on: the resumed batch waits for it
     client = deployment.client()

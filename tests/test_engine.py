@@ -148,10 +148,13 @@ def test_bad_requests_raise_the_routes_errors(engine):
 
 
 def test_a_stream_left_early_is_aborted(engine):
-    for i, _ in enumerate(engine.generate("Tell a long story.", {"max_new_tokens": 400}, stream=True)):
+    endless = {"max_new_tokens": 4000, "ignore_eos": True}
+    for i, _ in enumerate(engine.generate("Tell a long story.", endless, stream=True)):
         if i == 2:
             break
-    deadline = time.time() + 10
+    unread = engine.generate("Another long story.", endless, stream=True)
+    del unread  # dropped without reading: aborted too
+    deadline = time.time() + 3
     while engine.tm.in_flight and time.time() < deadline:
         time.sleep(0.05)
     assert engine.tm.in_flight == 0
@@ -160,7 +163,11 @@ def test_a_stream_left_early_is_aborted(engine):
 def test_shutdown_stops_the_child_processes(engine):
     procs = list(engine._procs.procs.values())
     assert procs and all(p.is_alive() for p in procs)
+    running = engine.generate("A story.", {"max_new_tokens": 4000, "ignore_eos": True}, stream=True)
+    next(running)
     engine.shutdown()
+    with pytest.raises(Exception, match="shutting down"):  # the stream in flight ends with an error, not a hang
+        list(running)
     engine.shutdown()  # twice is fine
     assert not any(p.is_alive() for p in procs)
     assert not any(os.path.exists(f"/proc/{p.pid}") and p.exitcode is None for p in procs)

@@ -30,10 +30,10 @@ GOOD = [
 ]
 
 
-def run_extract(tmp_path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+def run_extract(tmp_path, *extra: str, context: int = 512) -> tuple[subprocess.CompletedProcess, dict]:
     summary = tmp_path / "summary.json"
     cmd = [sys.executable, "-m", "gramserve", "extract", "--skip-warmup", "--no-progress"]
-    cmd += ["--context-length", "512", "--max-tokens", "48", "--summary-json", str(summary), *extra]
+    cmd += ["--context-length", str(context), "--max-tokens", "48", "--summary-json", str(summary), *extra]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     return run, json.loads(summary.read_text())
@@ -108,10 +108,15 @@ def test_extract_reads_a_folder_of_text_files(tmp_path):
     folder = os.path.join(ROOT, "schemas", "examples", "tickets_txt")
     out_path = tmp_path / "tickets.jsonl"
     schema = os.path.join(ROOT, "schemas", "support_ticket.json")
-    _, summary = run_extract(tmp_path, "--schema", schema, "--input", folder, "--output", str(out_path))
+    template = tmp_path / "prompt.jinja"
+    template.write_text("Support email from the file {{ doc.path }} (id {{ id }}):\n{{ text }}\n")
+    args = ["--schema", schema, "--input", folder, "--output", str(out_path), "--prompt-template", str(template)]
+    _, summary = run_extract(tmp_path, *args, context=2048)
     items = read_lines(out_path)
     assert sorted(i["id"] for i in items) == sorted(n for n in os.listdir(folder) if n.endswith(".txt"))
     assert summary["documents"] == len(items) and summary["invalid"] == 0
+    for item in items:  # each ran (validated, or cut at max_tokens 48), none refused
+        assert item["status"] == "ok" or item["finish_reason"] == "length", item
 
 
 def test_extract_refuses_a_bad_schema_before_loading_the_model(tmp_path):

@@ -160,6 +160,13 @@ class ExtractionJob:
         if config.system_prompt is not None:
             builder_args["system"] = config.system_prompt or None
         self.prompts = PromptBuilder(**builder_args)
+        if not os.path.exists(config.input_path):
+            raise ValueError(f"--input {config.input_path}: no such file or folder")
+        out_dir = os.path.dirname(os.path.abspath(config.output_path))
+        if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
+            raise ValueError(f"--output {config.output_path}: the folder {out_dir} does not exist or is not writable")
+        if config.concurrency is not None and config.concurrency < 1:
+            raise ValueError(f"--concurrency must be at least 1, got {config.concurrency}")
         cls = jsonschema.validators.validator_for(self.schema)
         self.validator = cls(self.schema, format_checker=cls.FORMAT_CHECKER)
         name = os.path.splitext(os.path.basename(config.schema_path))[0] or "extraction"
@@ -194,7 +201,12 @@ class ExtractionJob:
             async with gate:
                 item = await self._extract(doc)
             kind = item.pop("_kind", None)
-            output.write(item)
+            try:
+                output.write(item)
+            except (ValueError, UnicodeError) as exc:  # e.g. a lone surrogate in the output: reported, not fatal
+                kind = "output"
+                item = {"id": doc.id, "status": "error", "data": None, "error": f"cannot write the result: {exc}"}
+                output.write(item)
             self._count(item, kind)
             bar.update(1)
             elapsed = time.monotonic() - start
@@ -213,7 +225,10 @@ class ExtractionJob:
     async def _cache_shared_prefix(self) -> None:
         """Prefill the instruction and schema that every prompt starts with, once, before the documents go in
         together: each of them then finds it in the prefix cache instead of computing it again side by side."""
-        messages = self.prompts.messages("", "", {})[:-1] + [{"role": "user", "content": ""}]
+        system = self.prompts.system_message()
+        if system is None:
+            return
+        messages = [system, {"role": "user", "content": ""}]
         try:
             await self.engine.async_chat(messages, max_tokens=1, temperature=0.0)
         except ValueError:  # e.g. a system prompt longer than the context: each document reports it

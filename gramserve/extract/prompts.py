@@ -39,6 +39,12 @@ class PromptBuilder:
     def schema_text(self) -> str:
         return json.dumps(self.schema, indent=2, ensure_ascii=False)
 
+    def system_message(self) -> dict | None:
+        """The message every prompt starts with (None: no system message)."""
+        if self.system is None:
+            return None
+        return {"role": "system", "content": self.system.replace("{schema}", self.schema_text())}
+
     def messages(self, doc_id: str, text: str, record: dict) -> list[dict]:
         """The chat messages for one document (a template error raises TemplateError)."""
         try:
@@ -49,10 +55,8 @@ class PromptBuilder:
             )
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the prompt template failed: {exc}") from exc
-        messages = [{"role": "user", "content": user}]
-        if self.system is not None:
-            messages.insert(0, {"role": "system", "content": self.system.replace("{schema}", self.schema_text())})
-        return messages
+        system = self.system_message()
+        return ([system] if system is not None else []) + [{"role": "user", "content": user}]
 
 
 def _environment() -> jinja2.Environment:

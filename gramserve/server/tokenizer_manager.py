@@ -106,6 +106,7 @@ class TokenizerManager:
         self.states: dict[str, _ReqState] = {}
         self.control_waiters: dict[str, asyncio.Future] = {}
         self._recv_task: asyncio.Task | None = None
+        self._closed = False  # close() ran: nothing more is sent or received
         self._health_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.output_checker = OutputChecker()
@@ -118,6 +119,8 @@ class TokenizerManager:
         self.max_prompt_chars = context_length * max(longest, 1)
 
     def start(self) -> None:
+        if self._closed:
+            raise EngineUnavailableError("the engine is shut down")
         if self._recv_task is None:
             self._loop = loop = asyncio.get_running_loop()
             self._recv_task = loop.create_task(self._recv_loop())
@@ -130,6 +133,7 @@ class TokenizerManager:
             if task is not None:
                 task.cancel()
         self._recv_task = self._health_task = None
+        self._closed = True
         self.ctx.destroy(linger=0)
         self._prep.shutdown(wait=False, cancel_futures=True)
 

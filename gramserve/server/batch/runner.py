@@ -227,6 +227,8 @@ class BatchRunner:
                 self._schedule(job)
                 await job.settled.wait()
             await job.writer.drain()
+            if job.failed and not self._stopping:
+                self._publish_partial(job)
             if self._stopping or job.failed:
                 return
             self._finish(job)
@@ -235,6 +237,10 @@ class BatchRunner:
         except Exception as exc:  # noqa: BLE001 - a batch that cannot go on fails; the others keep running
             logger.exception("batch %s failed", job.id)
             self._fail(job, "internal_error", f"the batch could not be run: {type(exc).__name__}: {exc}")
+            if job.writer is not None:
+                with contextlib.suppress(Exception):
+                    await job.writer.drain()
+                self._publish_partial(job)
         finally:
             if not self._stopping:
                 self._forget(job)
@@ -290,10 +296,22 @@ class BatchRunner:
 
     def _finish(self, job: BatchJob) -> None:
         """Publish the result files (those with lines) and take the final status."""
-        record, tally = job.record, job.writer.tally
         status = "cancelled" if job.cancelling else "completed"
         if status == "completed":
             self.store.move_batch(job.id, "finalizing", ("in_progress",))
+        self._publish(job, status)
+
+    def _publish_partial(self, job: BatchJob) -> None:
+        """A failed batch keeps the results it had finished: its result files are published as they stand."""
+        if job.writer is None:
+            return
+        try:
+            self._publish(job, "failed")
+        except Exception:  # noqa: BLE001 - the batch stays failed; its work files are swept at the next start
+            logger.exception("batch %s: the results of a failed batch could not be published", job.id)
+
+    def _publish(self, job: BatchJob, status: str) -> None:
+        record, tally = job.record, job.writer.tally
         outputs = []
         published = {}
         for work_id, kind, lines in (
