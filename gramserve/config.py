@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 
@@ -160,6 +161,13 @@ class ServerArgs:
     chat_template: str | None = None  # a Jinja file or template text replacing the tokenizer's
     tool_call_parser: str | None = None  # default: detected from the chat template (hermes when unclear)
     reasoning_parser: str | None = None  # e.g. deepseek-r1, qwen3, qwen3-thinking; None: no reasoning split
+    # LoRA adapters (docs/lora.md)
+    enable_lora: bool = False  # serve adapters; implied by lora_modules; also allows /load_lora_adapter
+    lora_modules: tuple[str, ...] = ()  # "name=path" (PEFT folders) loaded at start; a dict {name: path} also works
+    max_lora_rank: int | None = None  # None: the largest rank of lora_modules, at least 16
+    lora_target_modules: tuple[str, ...] | None = None  # projections adapters may adapt (None: all seven)
+    max_loras_per_batch: int = 8  # distinct adapters in one batch: the device pool's slots
+    max_loaded_loras: int | None = None  # adapters kept in host memory (LRU); None: 4 x max_loras_per_batch
     # Batch API (server/batch/, docs/batch.md)
     # uploaded files, batch outputs and their SQLite metadata; None: $GRAMSERVE_DATA_DIR, else
     # $XDG_DATA_HOME/gramserve (~/.local/share/gramserve)
@@ -176,10 +184,24 @@ class ServerArgs:
             raise ValueError(f"grammar_shards must be at least 1, got {self.grammar_shards}")
         if self.sampling_backend == "flashinfer" and device_kind(self.device) != "cuda":
             raise ValueError("--sampling-backend flashinfer needs a CUDA device")
-        for name in ("max_file_bytes", "batch_max_requests", "batch_max_in_flight"):
+        object.__setattr__(self, "lora_modules", normalize_lora_modules(self.lora_modules))
+        if self.lora_target_modules is not None:
+            object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules))
+        for name in ("max_file_bytes", "batch_max_requests", "batch_max_in_flight", "max_loras_per_batch"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < self.max_loras_per_batch:
+            raise ValueError(
+                f"max_loaded_loras ({self.max_loaded_loras}) must be at least max_loras_per_batch "
+                f"({self.max_loras_per_batch})"
+            )
+        if self.max_lora_rank is not None and not 1 <= self.max_lora_rank <= 1024:
+            raise ValueError(f"max_lora_rank must be 1 to 1024, got {self.max_lora_rank}")
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
     @property
     def model_name(self) -> str:
@@ -459,6 +481,48 @@ class ServerArgs:
             default=None,
             help="split reasoning into reasoning_content (deepseek-r1, qwen3, qwen3-thinking)",
         )
+        lora = parser.add_argument_group("LoRA adapters", "PEFT adapters served beside the base model (docs/lora.md)")
+        lora.add_argument(
+            "--enable-lora",
+            action="store_true",
+            help="serve LoRA adapters: those of --lora-modules, and adapters loaded at run time through POST "
+            "/load_lora_adapter (which takes the admin key when one is set)",
+        )
+        lora.add_argument(
+            "--lora-modules",
+            nargs="+",
+            type=_lora_module_arg,
+            default=(),
+            metavar="NAME=PATH",
+            help="adapters to load at start, each a PEFT folder (adapter_config.json + adapter_model.safetensors); "
+            "a request picks one with `model`: NAME",
+        )
+        lora.add_argument(
+            "--max-lora-rank",
+            type=_positive_int,
+            default=None,
+            help="largest adapter rank the pool holds (default: the largest of --lora-modules, at least 16)",
+        )
+        lora.add_argument(
+            "--lora-target-modules",
+            nargs="+",
+            default=None,
+            choices=LORA_TARGET_MODULES,
+            help="projections adapters may adapt; fewer means a smaller pool (default: all seven)",
+        )
+        lora.add_argument(
+            "--max-loras-per-batch",
+            type=_positive_int,
+            default=defaults.max_loras_per_batch,
+            help="distinct adapters in one batch (slots of the device pool); requests of more adapters wait",
+        )
+        lora.add_argument(
+            "--max-loaded-loras",
+            type=_positive_int,
+            default=None,
+            help="adapters kept in host memory; past it the least recently used is dropped and read from its folder "
+            "again when needed (default: 4 x --max-loras-per-batch)",
+        )
         batch = parser.add_argument_group("Batch API", "OpenAI's /v1/files and /v1/batches (docs/batch.md)")
         batch.add_argument(
             "--data-dir",
@@ -513,6 +577,12 @@ class Settings:
     grammar_fill_threads: int  # per grammar worker; 0: row by row
     scheduler_threads: int  # torch CPU threads in the scheduler process
     cpu_kernel_threads: int = 1  # threads of the CPU decode kernels
+    # LoRA (max_lora_rank 0: off)
+    max_lora_rank: int = 0
+    max_loras_per_batch: int = 0
+    max_loaded_loras: int = 0
+    lora_target_modules: tuple[str, ...] = ()
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) in the order of their ids 1, 2, ...
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -547,6 +617,53 @@ class ServerConfig:
 
     def ipc_path(self, name: str) -> str:
         return self.launch.ipc_path(name)
+
+
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_NAME_MAX_CHARS = 256
+
+
+def check_lora_name(name: str) -> str:
+    """An adapter name as clients will send it in `model` (raises ValueError)."""
+    if not name or len(name) > LORA_NAME_MAX_CHARS or not name.isprintable() or name != name.strip():
+        raise ValueError(f"invalid LoRA adapter name {name!r}: 1 to {LORA_NAME_MAX_CHARS} printable characters")
+    return name
+
+
+def parse_lora_module(value: str) -> tuple[str, str]:
+    """NAME=PATH, or vLLM's JSON form {"name": ..., "path": ...} -> (name, path)."""
+    value = value.strip()
+    if value.startswith("{"):
+        try:
+            obj = json.loads(value)
+            name, path = obj["name"], obj["path"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f'expected NAME=PATH or {{"name": ..., "path": ...}}, got {value!r}') from None
+    else:
+        name, sep, path = value.partition("=")
+        if not sep or not path:
+            raise ValueError(f"expected NAME=PATH, got {value!r}")
+    return check_lora_name(str(name)), str(path)
+
+
+def normalize_lora_modules(value) -> tuple[str, ...]:
+    """lora_modules as "name=path" strings, from those strings, (name, path) pairs or a {name: path} dict."""
+    if isinstance(value, dict):
+        pairs = [(check_lora_name(str(k)), str(v)) for k, v in value.items()]
+    else:
+        pairs = [parse_lora_module(v) if isinstance(v, str) else (check_lora_name(str(v[0])), str(v[1])) for v in value]
+    names = [n for n, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"LoRA adapter names must differ: {names}")
+    return tuple(f"{n}={p}" for n, p in pairs)
+
+
+def _lora_module_arg(value: str) -> str:
+    try:
+        name, path = parse_lora_module(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return f"{name}={path}"
 
 
 def _int_at_least(value: str, minimum: int, alternative: str = "") -> int:

@@ -36,6 +36,7 @@ class TokenizedGenerateReq:
     top_logprobs: int = 0
     grammar: GrammarRequest | None = None
     priority: int = 0  # lower runs first
+    lora_id: int = 0  # the LoRA adapter (ids from the main process's registry); 0: the base model
 
 
 @dataclass
@@ -95,10 +96,12 @@ class AbortReq:
 
 @dataclass
 class ControlReq:
-    """A request/response query to the scheduler: its live report, or emptying the prefix cache."""
+    """A request/response query to the scheduler: its live report, emptying the prefix cache, loading or unloading a
+    LoRA adapter."""
 
     qid: str
-    kind: str  # "server_info" | "flush_cache"
+    kind: str  # "server_info" | "flush_cache" | "load_lora" | "unload_lora"
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

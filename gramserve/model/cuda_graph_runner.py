@@ -1,8 +1,9 @@
 """CUDA graphs for decode: captured once per padded batch size at start-up, replayed with padding.
 
-Static input tensors (token ids, positions, KV slots to write, req_to_token rows, KV lengths) are shared by
-all graphs; a batch is copied into their first rows, padding rows write their K/V to scratch slot 0 and
-attend over one slot. Graphs share one memory pool; a replay's logits stay valid until the next replay.
+Static input tensors (token ids, positions, KV slots to write, req_to_token rows, KV lengths, and with LoRA the
+adapter segment table: one entry per pool slot, empty ones doing nothing) are shared by all graphs; a batch is
+copied into their first rows, padding rows write their K/V to scratch slot 0 and attend over one slot. Graphs
+share one memory pool; a replay's logits stay valid until the next replay.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 import torch
 
 from gramserve.model.forward_batch import ForwardBatch, ForwardMode
+from gramserve.model.lora.batch import BLOCK_M, LoRABatch
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +28,7 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, model, backend, req_to_token: torch.Tensor, max_bs: int):
+    def __init__(self, model, backend, req_to_token: torch.Tensor, max_bs: int, lora_slots: int = 0):
         self.model, self.backend, self.req_to_token = model, backend, req_to_token
         self.sizes = capture_sizes(max_bs)
         self.max_bs = self.sizes[-1]
@@ -37,6 +39,8 @@ class CudaGraphRunner:
         self.out_cache_loc = torch.zeros(n, dtype=torch.long, device=dev)
         self.req_pool_indices = torch.zeros(n, dtype=torch.long, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.long, device=dev)
+        # LoRA: segments (start, length, slot), at most one per pool slot; every graph runs the LoRA kernels.
+        self.lora_table = torch.zeros(3, lora_slots, dtype=torch.int32, device=dev) if lora_slots else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -55,7 +59,14 @@ class CudaGraphRunner:
             extend_seq_lens_cpu=[1] * bs,
             req_to_token=self.req_to_token,
             attn_metadata=meta,
+            lora=self._lora_batch(bs),
         )
+
+    def _lora_batch(self, bs: int) -> LoRABatch | None:
+        if self.lora_table is None:
+            return None
+        t = self.lora_table
+        return LoRABatch([], t[0], t[1], t[2], m_split=min(-(-bs // BLOCK_M), 8))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -83,7 +94,11 @@ class CudaGraphRunner:
         )
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.mode == ForwardMode.DECODE and batch.batch_size <= self.max_bs and not batch.return_all_logits
+        if batch.mode != ForwardMode.DECODE or batch.batch_size > self.max_bs or batch.return_all_logits:
+            return False
+        if batch.lora is None:
+            return True
+        return self.lora_table is not None and len(batch.lora.segments) <= self.lora_table.shape[1]
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         bs = batch.batch_size
@@ -93,6 +108,8 @@ class CudaGraphRunner:
         self.out_cache_loc[:bs].copy_(batch.out_cache_loc)
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         self.seq_lens[:bs].copy_(batch.seq_lens)
+        if self.lora_table is not None:
+            self._copy_lora_segments(batch.lora)
         seq_lens_cpu = batch.seq_lens_cpu
         if padded > bs:
             for t in (self.input_ids, self.positions, self.out_cache_loc, self.req_pool_indices):
@@ -104,3 +121,10 @@ class CudaGraphRunner:
         )
         self.graphs[padded].replay()
         return self.outputs[padded][:bs]
+
+    def _copy_lora_segments(self, lora: LoRABatch | None) -> None:
+        segments = lora.segments if lora is not None else []
+        table = torch.zeros(3, self.lora_table.shape[1], dtype=torch.int32)
+        if segments:
+            table[:, : len(segments)] = torch.tensor(segments, dtype=torch.int32).t()
+        self.lora_table.copy_(table, non_blocking=True)

@@ -28,6 +28,7 @@ class ForwardBatch:
     req_to_token: torch.Tensor  # [max_reqs, max_context] slot table
     return_all_logits: bool = False  # logits for every new token instead of the last of each request
     attn_metadata: Any = None  # filled by the attention backend, shared by all layers
+    lora: Any = None  # lora.batch.LoRABatch: which token rows use which adapter slot; None: no adapter rows
 
     @property
     def batch_size(self) -> int:

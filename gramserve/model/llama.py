@@ -17,6 +17,8 @@ from torch import nn
 from gramserve.model.attention.base import AttentionBackend
 from gramserve.model.block_linear import BlockLinear
 from gramserve.model.forward_batch import ForwardBatch, ForwardMode
+from gramserve.model.lora.linear import LoRAContext, LoRALinear
+from gramserve.model.lora.pool import LoRAPool
 from gramserve.model.model_config import ModelConfig, UnsupportedModelError
 from gramserve.model.quant_weights import BlockWeight
 
@@ -227,6 +229,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg, max_positions)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head_blocks: BlockLinear | None = None  # set by use_cpu_kernels
+        self.lora: LoRAContext | None = None  # set by use_lora
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -236,6 +239,8 @@ class LlamaForCausalLM(nn.Module):
         """Returns float32 logits: one row per request (its last new token), or per new token."""
         if batch.attn_metadata is None:  # a CUDA graph's batch comes with its metadata
             backend.init_forward_metadata(batch)
+        if self.lora is not None:
+            self.lora.batch = batch.lora
         x, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, batch.positions, self.rope, backend, batch)
@@ -292,6 +297,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_blocks = BlockLinear(self.lm_head_weight, None, blocks[head], lib)
             swapped += 1
         return swapped
+
+    def use_lora(self, pool: LoRAPool) -> LoRAContext:
+        """Wrap every projection that the pool has adapter slots for in a LoRALinear (after use_cpu_kernels: it
+        wraps whatever computes the base projection)."""
+        self.lora = ctx = LoRAContext()
+        for layer, projections in zip(self.layers, pool.layers):
+            owners = {"qkv_proj": layer.self_attn, "o_proj": layer.self_attn}
+            owners.update(gate_up_proj=layer.mlp, down_proj=layer.mlp)
+            for name, proj in projections.items():
+                setattr(owners[name], name, LoRALinear(getattr(owners[name], name), proj, ctx))
+        return ctx
 
     # --- weights -------------------------------------------------------------------------------
 

@@ -19,6 +19,8 @@ from gramserve.model.forward_batch import ForwardBatch
 from gramserve.model.kv_cache import KVCache
 from gramserve.model.llama import LlamaForCausalLM
 from gramserve.model.loader import default_gguf_path, load_config_dict, resolve_model
+from gramserve.model.lora.adapter import TARGET_MODULES
+from gramserve.model.lora.pool import LoRAPool
 from gramserve.model.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,9 @@ class RunnerConfig:
     # floats otherwise; q8_0 = every projection rounded to Q8_0 blocks; float = no blocks.
     cpu_weights: str = "auto"
     cpu_kernel_threads: int = 1  # threads of the CPU kernels
+    lora_slots: int = 0  # adapters one batch may use (the device pool's slots); 0: LoRA off
+    max_lora_rank: int = 16
+    lora_target_modules: tuple[str, ...] = TARGET_MODULES
 
 
 @dataclass
@@ -64,6 +69,9 @@ class RunnerInfo:
     cpu_decode: str = "torch"  # CPU decode path: torch | kernels (norms, attention) | kernels+<weight format>
     cuda_graph_max_bs: int = 0  # 0: decode runs without CUDA graphs
     memory: dict | None = None  # GiB: weights, kv_pool, activation reserve, device total (CUDA only)
+    lora_slots: int = 0  # LoRA adapter slots of the device pool (0: LoRA off)
+    lora_rank: int = 0  # the pool's rank (max rank rounded up to 16)
+    lora_pool_mib: float = 0.0
 
 
 class ModelRunner:
@@ -85,6 +93,11 @@ class ModelRunner:
         else:
             self._load_safetensors(path)
 
+        self.lora_pool: LoRAPool | None = None
+        if cfg.lora_slots > 0:  # before the KV cache is sized: the pool's memory is not the KV cache's
+            self.lora_pool = LoRAPool(
+                self.config, cfg.lora_slots, cfg.max_lora_rank, cfg.lora_target_modules, self.dtype, self.device
+            )
         self.memory: dict | None = None
         num_slots = self._kv_slots(cfg.max_running_requests)
         self.kv_cache = KVCache(
@@ -95,6 +108,8 @@ class ModelRunner:
         backend_name = cfg.attention_backend
         self.backend = create_backend(backend_name, self.kv_cache, self.config.num_heads)
         cpu_decode = self._use_cpu_kernels(kind)
+        if self.lora_pool is not None:
+            self.model.use_lora(self.lora_pool)
         self.graph_runner = None  # made by init_cuda_graphs once the req_to_token table exists
         self.info = RunnerInfo(
             model_path=path,
@@ -111,6 +126,9 @@ class ModelRunner:
             cpu_decode=cpu_decode,
             memory=self.memory,
         )
+        if self.lora_pool is not None:
+            self.info.lora_slots, self.info.lora_rank = cfg.lora_slots, self.lora_pool.rank
+            self.info.lora_pool_mib = round(self.lora_pool.nbytes / 2**20, 1)
         logger.info(
             "model %s loaded on %s (%s, %s attention) in %.1f s; KV pool %d tokens",
             self.config.architecture,
@@ -230,7 +248,7 @@ class ModelRunner:
             return
         from gramserve.model.cuda_graph_runner import CudaGraphRunner
 
-        self.graph_runner = CudaGraphRunner(self.model, self.backend, req_to_token, max_bs)
+        self.graph_runner = CudaGraphRunner(self.model, self.backend, req_to_token, max_bs, self.cfg.lora_slots)
         self.graph_runner.capture()
         self.info.cuda_graph_max_bs = self.graph_runner.max_bs
         if self.memory is not None:

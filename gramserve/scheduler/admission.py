@@ -6,7 +6,10 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from gramserve.messages import FinishReason
+from gramserve.model.lora.adapter import LoRAAdapterError
 from gramserve.scheduler.kv_accounting import KvAccounting
+from gramserve.scheduler.lora_slots import LoRASlots
 from gramserve.scheduler.radix_cache import MatchResult
 from gramserve.scheduler.request import Req
 from gramserve.scheduler.stats import SchedulerCounters
@@ -26,6 +29,7 @@ class Admission:
         chunked_prefill_size: int,
         max_prefill_tokens: int,
         counters: SchedulerCounters,
+        lora: LoRASlots | None = None,
     ):
         self.kv = kv
         self.cache = kv.cache
@@ -34,6 +38,8 @@ class Admission:
         self.chunk_size = chunked_prefill_size  # tokens per extend step; 0 or less: whole prompts
         self.max_prefill_tokens = max_prefill_tokens
         self.counters = counters
+        self.lora = lora
+        self.failed: list[Req] = []  # left the queue with an error (their adapter could not be read again)
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # the request whose prompt is being prefilled chunk by chunk
 
@@ -52,7 +58,7 @@ class Admission:
     def ordered_waiting(self) -> list[Req]:
         if self.schedule_policy == "lpm" and not self.cache.disabled and len(self.waiting) > 1:
             head = list(self.waiting)[:LPM_WINDOW]
-            hit = {id(r): self.cache.match_prefix(r.fill_ids[:-1]).length for r in head}
+            hit = {id(r): self.cache.match_prefix(r.fill_ids[:-1], r.cache_namespace).length for r in head}
             head.sort(key=lambda r: (-hit[id(r)], r.priority, r.arrival))
             return head + list(self.waiting)[LPM_WINDOW:]
         return sorted(self.waiting, key=lambda r: (r.priority, r.arrival))
@@ -76,10 +82,19 @@ class Admission:
         ratio = self.kv.reserve_ratio
         taken = sum(n for _, n in picked)
         rows_left = self.req_pool.num_free
+        active = None  # adapters of the running and picked requests (LoRA only)
         for req in self.ordered_waiting():
             if budget <= 0 or rows_left == 0 or self.chunked is not None:
                 break
-            match = self.cache.match_prefix(req.fill_ids[:-1])
+            if req.lora_id and self.lora is not None:
+                if active is None:
+                    active = {r.lora_id for r in running if r.lora_id}
+                    active.update(r.lora_id for r, _ in picked if r.lora_id)
+                if not self.lora.fits(req.lora_id, active):
+                    continue  # its adapter waits for a free slot (--max-loras-per-batch)
+                if not self._take_lora_slot(req, active):
+                    continue
+            match = self.cache.match_prefix(req.fill_ids[:-1], req.cache_namespace)
             extend = len(req.fill_ids) - match.length
             take = min(extend, budget) if chunk_size > 0 else extend
             if chunk_size <= 0 and picked and take > budget:
@@ -100,6 +115,17 @@ class Admission:
             if take < extend:
                 self.chunked = req
         return picked
+
+    def _take_lora_slot(self, req: Req, active: set[int]) -> bool:
+        try:
+            req.lora_slot = self.lora.acquire(req.lora_id, active)
+        except LoRAAdapterError as exc:
+            self.waiting.remove(req)
+            req.finished = FinishReason("abort", message=str(exc), status_code=exc.status)
+            self.failed.append(req)
+            return False
+        active.add(req.lora_id)
+        return True
 
     def _admit(self, req: Req, match: MatchResult) -> None:
         """Give a request its slot-table row and the cached prefix (already locked by the caller)."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from gramserve.model.forward_batch import ForwardBatch, ForwardMode
+from gramserve.model.lora.batch import LoRABatch, make_lora_batch
 from gramserve.scheduler.kv_accounting import KvAccounting
 from gramserve.scheduler.request import Req
 
@@ -20,13 +21,15 @@ class _DecodeRows:
     seq_lens: list[int]
     rows_dev: torch.Tensor
     seq_lens_dev: torch.Tensor
+    lora: LoRABatch | None
 
 
 class BatchBuilder:
     """Builds each step's ForwardBatch; a steady decode step reuses the last one's device rows."""
 
-    def __init__(self, kv: KvAccounting, device: torch.device, last_tokens: torch.Tensor):
+    def __init__(self, kv: KvAccounting, device: torch.device, last_tokens: torch.Tensor, lora: bool = False):
         self.kv = kv
+        self.lora = lora  # LoRA on: batches carry their adapter segments
         self.req_pool = kv.req_pool
         self.device = device
         # The last sampled token of each request row (written by sampling): a decode step's input ids.
@@ -48,7 +51,7 @@ class BatchBuilder:
             prefix_lens.append(start)
             new_lens.append(n)
             req.kv_len += n
-        return self._make_batch(
+        batch = self._make_batch(
             ForwardMode.EXTEND,
             ids,
             torch.cat(positions),
@@ -58,6 +61,9 @@ class BatchBuilder:
             prefix_lens,
             new_lens,
         )
+        if self.lora:
+            batch.lora = make_lora_batch([r.lora_slot for r, _ in picked], self.device, new_lens)
+        return batch
 
     def decode(self, reqs: list[Req]) -> ForwardBatch:
         """One token on for each request."""
@@ -68,12 +74,13 @@ class BatchBuilder:
         last = self._last_decode
         if last is not None and reqs == last.reqs and positions == last.seq_lens:
             # The same requests as the last decode step, one token on: no host-to-device copies.
-            rows_dev, positions_dev = last.rows_dev, last.seq_lens_dev
+            rows_dev, positions_dev, lora = last.rows_dev, last.seq_lens_dev, last.lora
         else:
             rows_dev = self.to_device([r.req_pool_idx for r in reqs])
             positions_dev = self.to_device(positions)
+            lora = make_lora_batch([r.lora_slot for r in reqs], self.device) if self.lora else None
         seq_lens, seq_lens_dev = [p + 1 for p in positions], positions_dev + 1
-        self._last_decode = _DecodeRows(reqs, seq_lens, rows_dev, seq_lens_dev)
+        self._last_decode = _DecodeRows(reqs, seq_lens, rows_dev, seq_lens_dev, lora)
         # One scatter for the whole batch (a write per request costs a kernel launch each on a GPU).
         self.req_pool.table[rows_dev, positions_dev] = slots.to(self.req_pool.table.dtype)
         return ForwardBatch(
@@ -88,6 +95,7 @@ class BatchBuilder:
             extend_prefix_lens_cpu=positions,
             extend_seq_lens_cpu=[1] * len(reqs),
             req_to_token=self.req_pool.table,
+            lora=lora,
         )
 
     def to_device(self, values: list[int]) -> torch.Tensor:

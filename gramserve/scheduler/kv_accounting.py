@@ -44,7 +44,7 @@ class KvAccounting:
         computed = min(req.kv_len, len(req.fill_ids))  # K/V past fill_ids: a step whose token never came
         self.allocator.free(slots[computed:])
         slots = slots[:computed]
-        already = self.cache.insert(req.fill_ids[:computed], slots) if computed else 0
+        already = self.cache.insert(req.fill_ids[:computed], slots, req.cache_namespace) if computed else 0
         dup_end = max(already, req.prefix_len)
         self.allocator.free(slots[req.prefix_len : dup_end])  # our own copies of what the tree already had
         if self.cache.disabled:

@@ -98,6 +98,10 @@ def handle_message(scheduler: Scheduler, msg, to_detok: zmq.Socket) -> None:
             payload = scheduler.server_info()
         elif msg.kind == "flush_cache":
             payload = scheduler.flush_cache()
+        elif msg.kind == "load_lora":
+            payload = scheduler.load_lora(msg.args["lora_id"], msg.args["path"])
+        elif msg.kind == "unload_lora":
+            payload = scheduler.unload_lora(msg.args["lora_id"])
         else:
             payload = {"error": f"unknown control request {msg.kind}"}
         to_detok.send_pyobj(ControlResp(msg.qid, payload))

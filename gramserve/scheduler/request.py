@@ -21,6 +21,8 @@ class Req:
         self.stop_token_ids = set(self.params.stop_token_ids)
         self.output_ids: list[int] = []
         self.priority = msg.priority
+        self.lora_id = msg.lora_id  # 0: the base model; also the request's prefix-cache namespace
+        self.lora_slot = -1  # the adapter's device pool slot while the request holds KV (admission sets it)
         self.arrival = time.monotonic()
         self.req_pool_idx: int | None = None
         self.kv_len = 0  # tokens whose K/V are in the KV cache (matched prefix + computed)
@@ -45,6 +47,11 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Every token whose K/V the request needs before it can sample its next token."""
         return self.origin_input_ids + self.output_ids
+
+    @property
+    def cache_namespace(self) -> int | None:
+        """Prefix-cache namespace: an adapter's K/V differ from the base model's for the same tokens."""
+        return self.lora_id or None
 
     @property
     def prompt_len(self) -> int:

@@ -23,6 +23,7 @@ import torch
 
 from gramserve.config import ServerConfig
 from gramserve.messages import BatchTokenOut, FinishReason, TokenizedGenerateReq, TokenLogprob
+from gramserve.model.lora.adapter import LoRAAdapterError
 from gramserve.model.runner import ModelRunner, RunnerConfig
 from gramserve.sampling.grammar_masks import MaskApplier
 from gramserve.sampling.sampler import PendingSample, Sampler, SampleResult
@@ -30,6 +31,7 @@ from gramserve.scheduler.admission import Admission
 from gramserve.scheduler.batch_builder import BatchBuilder
 from gramserve.scheduler.grammar_client import GrammarClient
 from gramserve.scheduler.kv_accounting import KvAccounting
+from gramserve.scheduler.lora_slots import LoRASlots
 from gramserve.scheduler.memory import ReqToTokenPool, TokenSlotAllocator
 from gramserve.scheduler.radix_cache import RadixCache
 from gramserve.scheduler.request import Req
@@ -82,6 +84,9 @@ def runner_config(config: ServerConfig) -> RunnerConfig:
         seed=args.seed,
         cpu_weights=args.cpu_weights,
         cpu_kernel_threads=settings.cpu_kernel_threads,
+        lora_slots=settings.max_loras_per_batch if settings.max_lora_rank else 0,
+        max_lora_rank=settings.max_lora_rank or 16,
+        lora_target_modules=settings.lora_target_modules,
     )
 
 
@@ -117,10 +122,20 @@ class Scheduler:
         self.inflight: _Sampled | None = None  # overlap: the previous step, not yet read back
         self.stats = zero_counters()
         self.kv = KvAccounting(self.allocator, self.req_pool, self.cache, args.kv_reserve_ratio)
+        self.lora: LoRASlots | None = None
+        if self.runner.lora_pool is not None:
+            self.lora = LoRASlots(self.runner, settings.max_loaded_loras)
+            for lora_id, (_, path) in enumerate(settings.lora_modules, start=1):  # the registry's ids (server/lora)
+                self.lora.register(lora_id, path)
         self.admission = Admission(
-            self.kv, args.schedule_policy, settings.chunked_prefill_size, args.max_prefill_tokens, self.stats
+            self.kv,
+            args.schedule_policy,
+            settings.chunked_prefill_size,
+            args.max_prefill_tokens,
+            self.stats,
+            self.lora,
         )
-        self.batches = BatchBuilder(self.kv, self.device, self.last_tokens)
+        self.batches = BatchBuilder(self.kv, self.device, self.last_tokens, lora=self.lora is not None)
         self.running: list[Req] = []
         self.finished_early: list[Req] = []  # rejected before running; reported by the next step
         self._prefills_in_a_row = 0  # prefill steps since the last decode step
@@ -246,6 +261,9 @@ class Scheduler:
         limit = self.max_consecutive_prefills
         if not self.running or limit == 0 or self._prefills_in_a_row < limit:
             picked = self.admission.schedule_prefill(self.running)
+        if self.admission.failed:
+            self.finished_early += self.admission.failed
+            self.admission.failed = []
         if picked:
             self._prefills_in_a_row += 1
             batch = self.batches.prefill(picked)
@@ -282,6 +300,8 @@ class Scheduler:
                     self.admission.chunked = None
                 if req.finished is None:
                     self.running.append(req)
+            if self.lora is not None:  # rows of one adapter side by side: one segment each in decode batches
+                self.running.sort(key=lambda r: r.lora_slot)
         return _Forward(reqs, sampling, logits, grammar, batch.req_pool_indices)
 
     @staticmethod
@@ -474,7 +494,28 @@ class Scheduler:
         self.cache.reset()
         return {"ok": True}
 
+    def load_lora(self, lora_id: int, path: str) -> dict:
+        """Register an adapter (ControlReq "load_lora"): read and checked now, so a bad one is refused at once."""
+        if self.lora is None:
+            return {"ok": False, "status": 400, "error": "LoRA is off on this server (start it with --enable-lora)"}
+        try:
+            adapter = self.lora.register(lora_id, path)
+        except LoRAAdapterError as exc:
+            return {"ok": False, "status": exc.status, "error": str(exc)}
+        return {"ok": True, "rank": adapter.rank, "modules": sorted(adapter.target_modules)}
+
+    def unload_lora(self, lora_id: int) -> dict:
+        if self.lora is not None:
+            self.lora.unregister(lora_id)
+        return {"ok": True}
+
     def server_info(self) -> dict:
+        report = self._server_info()
+        if self.lora is not None:
+            report["lora"] = self.lora.report()
+        return report
+
+    def _server_info(self) -> dict:
         return server_info_report(
             self.runner.info,
             self.sampler.backend,

@@ -1,4 +1,4 @@
-"""The FastAPI app: the OpenAI, Batch API, native and admin routers, the error handlers, and the start of the
+"""The FastAPI app: the OpenAI, Batch API, native, admin and LoRA routers, the error handlers, and the start of the
 TokenizerManager and of the batch runner."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from gramserve.server.batch.service import BatchService
 from gramserve.server.batch.upload import ENVELOPE_BYTES, too_large_message
 from gramserve.server.body_limit import BodyLimit, BodyLimitMiddleware
 from gramserve.server.error_handlers import register_error_handlers
+from gramserve.server.lora_api import lora_router
 from gramserve.server.native_api import native_router
 from gramserve.server.openai_api import openai_router
 from gramserve.server.openai_serving import OpenAIServing
@@ -50,6 +51,7 @@ def create_app(config: ServerConfig, tm: TokenizerManager, runner_info: dict) ->
     app.include_router(batches_router(batches, args))
     app.include_router(native_router(config.args, tm))
     app.include_router(admin_router(config, tm))
+    app.include_router(lora_router(tm))
     install_typed_openapi(app)
     upload_limit = BodyLimit(args.max_file_bytes + ENVELOPE_BYTES, too_large_message(args.max_file_bytes))
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_bytes, path_limits={"/v1/files": upload_limit})

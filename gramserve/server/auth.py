@@ -2,7 +2,8 @@
 
 `--api-key` (or GRAMSERVE_API_KEY) guards every route except /health (and /metrics unless
 `--metrics-require-key`). `--admin-api-key` (or GRAMSERVE_ADMIN_API_KEY), when set, is the only key the admin
-routes take (/flush_cache, /abort_request); without it they take the API key. Keys are compared in constant time.
+routes take (/flush_cache, /abort_request, /load_lora_adapter, /unload_lora_adapter); without it they take the API
+key. Keys are compared in constant time.
 A wrong or missing key gets a 401 with OpenAI's error JSON.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from gramserve.server.error_handlers import error_response
 
-ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request"})
+ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/load_lora_adapter", "/unload_lora_adapter"})
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,7 @@ class NativeServing:
         return NativeSetup(input_ids, params, grammar)
 
     async def _outputs(self, req: P.GenerateRequest, is_disconnected, whole: bool) -> AsyncIterator[GenerateOutput]:
+        lora = self.tm.lora.adapter_for(None, req.lora_path)
         setup = await self.prepare(req)
         return await prefetch_first(  # engine errors before the first token raise here, not inside a stream
             self.tm.generate(
@@ -93,6 +94,7 @@ class NativeServing:
                 priority=req.priority,
                 is_disconnected=is_disconnected,
                 retry_invalid=whole,
+                lora=lora,
             )
         )
 

@@ -53,6 +53,7 @@ class ChatSetup:
     grammar_is_tools: bool  # the grammar is the tools' (tool_grammar): the calls' arguments get the last check
     reasoning_cls: type[ReasoningParser] | None
     template_kwargs: dict[str, Any]
+    lora: str | None = None  # the LoRA adapter the request names
 
     def reasoning(self) -> ReasoningParser | None:
         return self.reasoning_cls(self.template_kwargs) if self.reasoning_cls is not None else None
@@ -65,6 +66,7 @@ class CompletionSetup:
     prompts: list[list[int]]
     params: SamplingParams
     grammar: GrammarRequest | None
+    lora: str | None = None  # the LoRA adapter the request names
 
 
 class OpenAIServing:
@@ -109,6 +111,7 @@ class OpenAIServing:
         whole: bool = False,
         tools: ToolPlan | None = None,
         watch_calls: Callable[[], ChoiceStream] | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[tuple[int, GenerateOutput]]:
         """Run n engine requests (prompt and params already checked) and yield (choice index, output) as they
         arrive. `whole`: the response is sent whole (not streamed), so a constrained output that fails the last
@@ -128,6 +131,7 @@ class OpenAIServing:
                 retry_invalid=whole,
                 tools=tools,
                 watch_calls=watch_calls,
+                lora=lora,
             )
             for i in range(n)
         ]
@@ -194,7 +198,12 @@ class OpenAIServing:
 
     # --- chat ---------------------------------------------------------------------------------
 
+    def model_of(self, setup: ChatSetup | CompletionSetup) -> str:
+        """The `model` a response names: the adapter the request used, else the base model."""
+        return setup.lora or self.model_name
+
     def _chat_setup(self, req: P.ChatCompletionRequest) -> ChatSetup:
+        lora = self.tm.lora.adapter_for(req.model, req.lora_path)
         check_openai_options(req, self.max_n)
         top = chat_top_logprobs(req)
         params = openai_sampling_params(req, self.tm.vocab_size)
@@ -237,7 +246,15 @@ class OpenAIServing:
         self._check_prompt(input_ids, params)
         reasoning_cls = self.reasoning_cls if req.separate_reasoning else None
         return ChatSetup(
-            input_ids, params, top, grammar, plan, grammar_is_tools, reasoning_cls, dict(req.chat_template_kwargs or {})
+            input_ids,
+            params,
+            top,
+            grammar,
+            plan,
+            grammar_is_tools,
+            reasoning_cls,
+            dict(req.chat_template_kwargs or {}),
+            lora,
         )
 
     def _chat_requests(self, setup: ChatSetup, req: P.ChatCompletionRequest, rid: str, is_disconnected, whole: bool):
@@ -254,6 +271,7 @@ class OpenAIServing:
             whole=whole,
             tools=setup.tools if setup.grammar_is_tools else None,
             watch_calls=(lambda: ChoiceStream(setup.tools, setup.reasoning())) if setup.tools is not None else None,
+            lora=setup.lora,
         )
 
     async def chat(self, req: P.ChatCompletionRequest, is_disconnected) -> P.ChatCompletionResponse:
@@ -292,7 +310,7 @@ class OpenAIServing:
         completion = sum(o.completion_tokens for o in finals)
         usage = self._usage(finals[0].prompt_tokens, completion, finals[0].cached_tokens)
         return P.ChatCompletionResponse(
-            id=rid, model=self.model_name, choices=choices, usage=usage, grammar_backend=finals[0].grammar_backend
+            id=rid, model=self.model_of(setup), choices=choices, usage=usage, grammar_backend=finals[0].grammar_backend
         )
 
     async def chat_stream(self, req: P.ChatCompletionRequest, is_disconnected) -> AsyncIterator[str]:
@@ -317,7 +335,7 @@ class OpenAIServing:
                 for i in range(req.n):
                     yield P.ChatCompletionChunk(
                         id=rid,
-                        model=self.model_name,
+                        model=self.model_of(setup),
                         choices=[P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))],
                     )
                 async for i, out in merged:
@@ -346,10 +364,10 @@ class OpenAIServing:
                         matched_stop=out.matched_stop if out.finished is not None else None,
                     )
                     usage = self._usage(prompt, totals[i], cached) if continuous else None
-                    yield P.ChatCompletionChunk(id=rid, model=self.model_name, choices=[choice], usage=usage)
+                    yield P.ChatCompletionChunk(id=rid, model=self.model_of(setup), choices=[choice], usage=usage)
                 if include_usage:
                     yield P.ChatCompletionChunk(
-                        id=rid, model=self.model_name, choices=[], usage=self._usage(prompt, sum(totals), cached)
+                        id=rid, model=self.model_of(setup), choices=[], usage=self._usage(prompt, sum(totals), cached)
                     )
             finally:
                 await merged.aclose()
@@ -380,6 +398,7 @@ class OpenAIServing:
         raise InvalidRequestError("prompt must be a string, a list of strings, or token ids", "prompt")
 
     def _completion_setup(self, req: P.CompletionRequest) -> CompletionSetup:
+        lora = self.tm.lora.adapter_for(req.model, req.lora_path)
         check_openai_options(req, self.max_n)
         check_completion_options(req)
         params = openai_sampling_params(req, self.tm.vocab_size)
@@ -389,7 +408,7 @@ class OpenAIServing:
             raise InvalidRequestError("streaming supports a single prompt", "prompt")
         for ids in prompts:  # every prompt before any is sent
             self._check_prompt(ids, params)
-        return CompletionSetup(prompts, params, grammar)
+        return CompletionSetup(prompts, params, grammar, lora)
 
     def _completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> P.CompletionLogprobs:
         out = P.CompletionLogprobs()
@@ -421,6 +440,7 @@ class OpenAIServing:
                 setup.grammar,
                 req.priority,
                 whole=True,
+                lora=setup.lora,
             ):
                 texts[i] += out.text
                 lps[i] += out.logprobs or []
@@ -445,7 +465,7 @@ class OpenAIServing:
                 )
         return P.CompletionResponse(
             id=rid,
-            model=self.model_name,
+            model=self.model_of(setup),
             choices=choices,
             usage=self._usage(prompt_total, completion_total, cached_total),
             grammar_backend=results[0][2][0].grammar_backend,
@@ -462,7 +482,15 @@ class OpenAIServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         merged = await prefetch_first(
             self._merged(
-                setup.prompts[0], setup.params, req.n, rid, req.logprobs, is_disconnected, setup.grammar, req.priority
+                setup.prompts[0],
+                setup.params,
+                req.n,
+                rid,
+                req.logprobs,
+                is_disconnected,
+                setup.grammar,
+                req.priority,
+                lora=setup.lora,
             )
         )
 
@@ -481,7 +509,7 @@ class OpenAIServing:
                     offsets[i] += len(out.text)
                     yield P.CompletionResponse(
                         id=rid,
-                        model=self.model_name,
+                        model=self.model_of(setup),
                         choices=[
                             P.CompletionChoice(
                                 index=i,
@@ -494,7 +522,7 @@ class OpenAIServing:
                     )
                 if include_usage:
                     yield P.CompletionResponse(
-                        id=rid, model=self.model_name, choices=[], usage=self._usage(prompt, sum(totals), cached)
+                        id=rid, model=self.model_of(setup), choices=[], usage=self._usage(prompt, sum(totals), cached)
                     )
             finally:
                 await merged.aclose()

@@ -43,6 +43,8 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | dict | None, type[BaseMode
     ("/get_server_info", "get"): (None, "object", False),
     ("/metrics", "get"): (None, "text", False),
     ("/flush_cache", "post"): (None, "object", False),
+    ("/load_lora_adapter", "post"): (P.LoadLoRARequest, P.LoRAAdapterResponse, False),
+    ("/unload_lora_adapter", "post"): (P.UnloadLoRARequest, P.LoRAAdapterResponse, False),
     ("/v1/files", "post"): (UPLOAD_BODY, B.FileObject, False),
     ("/v1/files", "get"): (None, B.FileList, False),
     ("/v1/files/{file_id}", "get"): (None, B.FileObject, False),
@@ -56,7 +58,7 @@ ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | dict | None, type[BaseMode
 ERROR_STATUSES = {
     "400": "Invalid request",
     "401": "Missing or wrong API key",
-    "404": "Unknown model, file or batch",
+    "404": "Unknown model, LoRA adapter, file or batch",
     "413": "Request body too large",
     "500": "Internal error",
     "503": "Busy, stalled or shutting down",

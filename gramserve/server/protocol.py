@@ -72,6 +72,8 @@ class SamplingFields(BaseModel):
     guided_grammar: Optional[str] = None
     grammar_backend: Optional[str] = None
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)  # lower runs first
+    # SGLang's way to pick a LoRA adapter by name (OpenAI clients pick it with `model`)
+    lora_path: Optional[str] = Field(None, min_length=1, max_length=256)
 
 
 class TextContentPart(BaseModel):
@@ -190,6 +192,7 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = Field(0, ge=0, le=MAX_NATIVE_TOP_LOGPROBS)
     rid: Optional[str] = Field(None, min_length=1, max_length=256)
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
+    lora_path: Optional[str] = Field(None, min_length=1, max_length=256)  # a LoRA adapter's name
 
 
 # --- responses -------------------------------------------------------------------------------
@@ -343,9 +346,26 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "gramserve"
     root: Optional[str] = None
+    parent: Optional[str] = None  # a LoRA adapter's base model
     max_model_len: Optional[int] = None
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoadLoRARequest(BaseModel):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRARequest(BaseModel):
+    lora_name: str = Field(min_length=1, max_length=256)
+
+
+class LoRAAdapterResponse(BaseModel):
+    success: bool = True
+    lora_name: str
+    message: str
+    loaded_adapters: list[str]

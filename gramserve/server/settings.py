@@ -10,9 +10,18 @@ from __future__ import annotations
 
 import torch
 
-from gramserve.config import DEVICE_DEFAULTS, LaunchInfo, ServerArgs, ServerConfig, Settings, available_cores
+from gramserve.config import (
+    DEVICE_DEFAULTS,
+    LORA_TARGET_MODULES,
+    LaunchInfo,
+    ServerArgs,
+    ServerConfig,
+    Settings,
+    available_cores,
+)
 from gramserve.grammar.fill import resolve_fill_threads
 from gramserve.model.attention import resolve_backend_name
+from gramserve.model.lora.adapter import LoRAAdapterError, read_adapter_config
 from gramserve.sampling.flashinfer_sampling import resolve_sampling_backend
 
 GPU_HOST_THREADS = 2
@@ -44,6 +53,33 @@ def scheduler_threads(device: str) -> int:
     return cores if cores <= 4 else cores - 2
 
 
+DEFAULT_MAX_LORA_RANK = 16
+
+
+def resolve_lora(args: ServerArgs) -> dict:
+    """The LoRA settings: off, or the pool's rank (the largest start-up adapter's, at least 16, unless given), its
+    slots, the host cache and the start-up adapters (each folder's config checked here: a bad one stops the
+    start with its reason)."""
+    if not args.lora_enabled:
+        return {}
+    modules = tuple(tuple(m.split("=", 1)) for m in args.lora_modules)
+    ranks = []
+    for name, path in modules:
+        try:
+            config = read_adapter_config(path)
+        except LoRAAdapterError as exc:
+            raise ValueError(f"--lora-modules {name}: {exc}") from None
+        ranks += [config.rank, *[int(r) for r in config.rank_pattern.values()]]
+    rank = args.max_lora_rank or max([DEFAULT_MAX_LORA_RANK, *ranks])
+    return dict(
+        max_lora_rank=rank,
+        max_loras_per_batch=args.max_loras_per_batch,
+        max_loaded_loras=args.max_loaded_loras or 4 * args.max_loras_per_batch,
+        lora_target_modules=tuple(args.lora_target_modules or LORA_TARGET_MODULES),
+        lora_modules=modules,
+    )
+
+
 def resolve_settings(args: ServerArgs) -> Settings:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -72,6 +108,7 @@ def resolve_settings(args: ServerArgs) -> Settings:
         grammar_fill_threads=resolve_fill_threads(args.grammar_fill_threads, shards),
         scheduler_threads=args.num_threads or scheduler_threads(device),
         cpu_kernel_threads=args.cpu_kernel_threads or args.num_threads or scheduler_threads(device),
+        **resolve_lora(args),
     )
 
 

@@ -43,6 +43,7 @@ from gramserve.server.errors import (
     ServerBusyError,
 )
 from gramserve.server.health import ServerHealth
+from gramserve.server.lora_registry import LoRANotFoundError, LoRARegistry
 from gramserve.server.metrics import RequestMetrics, RequestWatch
 from gramserve.server.output_check import CheckTarget, OutputChecker
 from gramserve.server.tool_requests import ToolPlan
@@ -110,6 +111,7 @@ class TokenizerManager:
         self._health_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.output_checker = OutputChecker()
+        self.lora = LoRARegistry(config, self.control)
         self.check_retries = config.args.grammar_check_retries
         self.request_timeout = config.args.request_timeout
         self._retry_of: dict[str, str] = {}  # a request's rid -> the rid of its retry now running (for abort)
@@ -213,8 +215,9 @@ class TokenizerManager:
         retry_invalid: bool = False,
         tools: ToolPlan | None = None,
         watch_calls: Callable[[], ChoiceStream] | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[GenerateOutput]:
-        """Stream one request's outputs.
+        """Stream one request's outputs (of the LoRA adapter named `lora`, if any).
 
         With `retry_invalid` (a client that reads the whole response at once), a constrained output that fails the
         last check is sampled again, up to `--grammar-check-retries` times, before ``invalid_output`` is returned:
@@ -232,7 +235,8 @@ class TokenizerManager:
         target = self.output_checker.target(grammar, tools)
         measured = self.metrics is not None and not rid.startswith(WARMUP_RID_PREFIX)  # warm-up requests: not counted
         watch = RequestWatch(self.metrics, grammar.kind if grammar else None) if measured else None
-        args = (return_logprob, top_logprobs, grammar, priority, is_disconnected, target, watch_calls, watch)
+        lora_id = self.lora.acquire(lora)  # an unload waits for this request
+        args = (return_logprob, top_logprobs, grammar, priority, is_disconnected, target, watch_calls, watch, lora_id)
         try:
             if not (retry_invalid and self.check_retries > 0 and target is not None):
                 async for out in self._attempt(rid, input_ids, sampling, *args):
@@ -248,6 +252,8 @@ class TokenizerManager:
             if watch is not None:
                 _record_failure(watch, exc, grammar)
             raise
+        finally:
+            self.lora.release(lora)
 
     async def _with_retries(self, rid: str, input_ids: list[int], sampling: SamplingParams, args: tuple):
         """`generate` for a checked output read whole: attempts until one passes the last check (or the last)."""
@@ -282,6 +288,7 @@ class TokenizerManager:
         target: CheckTarget | None,
         watch_calls: Callable[[], ChoiceStream] | None,
         watch: RequestWatch | None,
+        lora_id: int = 0,
     ) -> AsyncIterator[GenerateOutput]:
         """One engine request: send it, stream its outputs, check a constrained output at its end."""
         self.start()
@@ -293,7 +300,7 @@ class TokenizerManager:
         state = _ReqState()
         self.states[rid] = state
         self.to_scheduler.send_pyobj(
-            TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, top_logprobs, grammar, priority)
+            TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, top_logprobs, grammar, priority, lora_id)
         )
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_CHECK_S
@@ -331,6 +338,8 @@ class TokenizerManager:
                         )
                     if fin.status_code == 503:
                         raise ServerBusyError(fin.message or "server busy")
+                    if fin.status_code == 404:
+                        raise LoRANotFoundError(fin.message or "LoRA adapter not found")
                     raise EngineError(fin.message or "internal error")
                 if calls is not None and fin is None and out.text:
                     calls.feed(out.text)
@@ -367,12 +376,12 @@ class TokenizerManager:
         self.to_scheduler.send_pyobj(AbortReq(rid))
         return True
 
-    async def control(self, kind: str, timeout: float = 10.0) -> dict:
+    async def control(self, kind: str, args: dict | None = None, timeout: float = 10.0) -> dict:
         self.start()
         qid = uuid.uuid4().hex
         fut = asyncio.get_running_loop().create_future()
         self.control_waiters[qid] = fut
-        self.to_scheduler.send_pyobj(ControlReq(qid, kind))
+        self.to_scheduler.send_pyobj(ControlReq(qid, kind, args or {}))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:

@@ -1,9 +1,9 @@
 """Running one batch line through the OpenAI layer, exactly as its HTTP route would run it.
 
-The body is read into the route's pydantic model (`request_body.validate_body`), the model name checked
-(`openai_api.check_model`), and `OpenAIServing.chat` / `.completions` called; an error becomes the status and OpenAI
-error body the route would answer (`error_handlers.response_for`). What differs: `"stream": true` is refused (a
-batch writes whole responses), and the line runs at the body's priority plus BATCH_PRIORITY_OFFSET, so the
+The body is read into the route's pydantic model (`request_body.validate_body`), and `OpenAIServing.chat` /
+`.completions` called (they check the model name: the base model or a LoRA adapter); an error becomes the status
+and OpenAI error body the route would answer (`error_handlers.response_for`). What differs: `"stream": true` is
+refused (a batch writes whole responses), and the line runs at the body's priority plus BATCH_PRIORITY_OFFSET, so the
 scheduler's waiting queue puts it after every interactive request.
 
 Errors that say the server cannot serve now (shutting down, a stalled scheduler, a full queue) are not the line's
@@ -22,7 +22,6 @@ from gramserve.config import ServerArgs
 from gramserve.server import protocol as P
 from gramserve.server.error_handlers import response_for
 from gramserve.server.errors import EngineUnavailableError, InvalidRequestError, ServerBusyError
-from gramserve.server.openai_api import check_model
 from gramserve.server.openai_serving import OpenAIServing
 from gramserve.server.request_body import set_body_bytes, validate_body
 
@@ -77,7 +76,6 @@ class LineExecutor:
     async def _respond(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         model_cls, serve = self._routes[endpoint]
         req = validate_body(body, model_cls)
-        check_model(self.args, req.model)
         if req.stream:
             raise InvalidRequestError(
                 "stream is not supported in a batch: each response is written whole to the output file", "stream"
