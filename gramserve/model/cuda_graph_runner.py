@@ -1,9 +1,11 @@
 """CUDA graphs for decode: captured once per padded batch size at start-up, replayed with padding.
 
 Static input tensors (token ids, positions, KV slots to write, req_to_token rows, KV lengths, and with LoRA the
-adapter segment table: one entry per pool slot, empty ones doing nothing) are shared by all graphs; a batch is
+adapter segment table: one entry per pool slot, empty ones doing nothing) are shared by all graphs. With LoRA each
+size has two graphs: one with the adapters' kernels, and one without for batches that use no adapter; a batch is
 copied into their first rows, padding rows write their K/V to scratch slot 0 and attend over one slot. Graphs
-share one memory pool; a replay's logits stay valid until the next replay.
+share one memory pool and one logits buffer (a buffer per graph, bs x vocab floats each, held 9 GiB for an 8B
+model's 45 sizes); a replay's logits stay valid until the next replay.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 import torch
 
 from gramserve.model.forward_batch import ForwardBatch, ForwardMode
-from gramserve.model.lora.batch import BLOCK_M, LoRABatch
+from gramserve.model.lora.batch import LoRABatch
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +43,13 @@ class CudaGraphRunner:
         self.seq_lens = torch.ones(n, dtype=torch.long, device=dev)
         # LoRA: segments (start, length, slot), at most one per pool slot; every graph runs the LoRA kernels.
         self.lora_table = torch.zeros(3, lora_slots, dtype=torch.int32, device=dev) if lora_slots else None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.logits = torch.empty(n, model.cfg.vocab_size, dtype=torch.float32, device=dev)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (batch size, with LoRA)
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.capture_seconds = 0.0
         backend.init_cuda_graph_state(self.max_bs, req_to_token.shape[1])
 
-    def _batch(self, bs: int, meta) -> ForwardBatch:
+    def _batch(self, bs: int, meta, lora: bool) -> ForwardBatch:
         return ForwardBatch(
             mode=ForwardMode.DECODE,
             input_ids=self.input_ids[:bs],
@@ -59,39 +62,40 @@ class CudaGraphRunner:
             extend_seq_lens_cpu=[1] * bs,
             req_to_token=self.req_to_token,
             attn_metadata=meta,
-            lora=self._lora_batch(bs),
+            lora=self._lora_batch() if lora else None,
         )
 
-    def _lora_batch(self, bs: int) -> LoRABatch | None:
+    def _lora_batch(self) -> LoRABatch | None:
         if self.lora_table is None:
             return None
         t = self.lora_table
-        return LoRABatch([], t[0], t[1], t[2], m_split=min(-(-bs // BLOCK_M), 8))
+        return LoRABatch([], t[0], t[1], t[2])
 
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.time()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
+        variants = (True, False) if self.lora_table is not None else (False,)
         for bs in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
-            meta = self.backend.cuda_graph_capture_metadata(
-                bs, self.req_pool_indices[:bs], self.seq_lens[:bs], self.req_to_token
-            )
-            batch = self._batch(bs, meta)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.model(batch, self.backend)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out = self.model(batch, self.backend)
-            self.graphs[bs], self.outputs[bs] = graph, out
+            for lora in variants:
+                meta = self.backend.cuda_graph_capture_metadata(
+                    bs, self.req_pool_indices[:bs], self.seq_lens[:bs], self.req_to_token
+                )
+                batch = self._batch(bs, meta, lora)
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self.model(batch, self.backend)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = self.model(batch, self.backend, logits_out=self.logits[:bs])
+                self.graphs[bs, lora], self.outputs[bs, lora] = graph, out
         torch.cuda.synchronize()
         self.capture_seconds = time.time() - t0
-        logger.info(
-            "captured %d decode CUDA graphs (batch 1..%d) in %.1f s", len(self.sizes), self.max_bs, self.capture_seconds
-        )
+        count, seconds = len(self.graphs), self.capture_seconds
+        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s", count, self.max_bs, seconds)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         if batch.mode != ForwardMode.DECODE or batch.batch_size > self.max_bs or batch.return_all_logits:
@@ -108,7 +112,8 @@ class CudaGraphRunner:
         self.out_cache_loc[:bs].copy_(batch.out_cache_loc)
         self.req_pool_indices[:bs].copy_(batch.req_pool_indices)
         self.seq_lens[:bs].copy_(batch.seq_lens)
-        if self.lora_table is not None:
+        lora = batch.lora is not None
+        if lora:
             self._copy_lora_segments(batch.lora)
         seq_lens_cpu = batch.seq_lens_cpu
         if padded > bs:
@@ -119,11 +124,11 @@ class CudaGraphRunner:
         self.backend.cuda_graph_replay_metadata(
             padded, self.req_pool_indices[:padded], self.seq_lens[:padded], seq_lens_cpu, self.req_to_token
         )
-        self.graphs[padded].replay()
-        return self.outputs[padded][:bs]
+        self.graphs[padded, lora].replay()
+        return self.outputs[padded, lora][:bs]
 
-    def _copy_lora_segments(self, lora: LoRABatch | None) -> None:
-        segments = lora.segments if lora is not None else []
+    def _copy_lora_segments(self, lora: LoRABatch) -> None:
+        segments = lora.segments
         table = torch.zeros(3, self.lora_table.shape[1], dtype=torch.int32)
         if segments:
             table[:, : len(segments)] = torch.tensor(segments, dtype=torch.int32).t()

@@ -235,8 +235,11 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """Returns float32 logits: one row per request (its last new token), or per new token."""
+    def forward(
+        self, batch: ForwardBatch, backend: AttentionBackend, logits_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Returns float32 logits: one row per request (its last new token), or per new token. `logits_out`: a
+        float32 buffer of the right shape to write them to (CUDA graphs share one)."""
         if batch.attn_metadata is None:  # a CUDA graph's batch comes with its metadata
             backend.init_forward_metadata(batch)
         if self.lora is not None:
@@ -250,7 +253,8 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual)
         if self.lm_head_blocks is not None:
             return self.lm_head_blocks(x).float()
-        return F.linear(x, self.lm_head_weight).float()
+        logits = F.linear(x, self.lm_head_weight)
+        return logits.float() if logits_out is None else logits_out.copy_(logits)
 
     # --- CPU kernels -----------------------------------------------------------------------------
 

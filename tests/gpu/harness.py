@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from gramserve.model.forward_batch import ForwardBatch, ForwardMode
+from gramserve.model.lora.batch import make_lora_batch
 from gramserve.model.runner import ModelRunner, RunnerConfig
 from gramserve.scheduler.memory import ReqToTokenPool, TokenSlotAllocator
 
@@ -53,6 +54,8 @@ def make_runner(
     graph_bs: int = 256,
     seed: int = 0,
     kv_gb: float = 1.0,
+    lora_slots: int = 0,
+    max_lora_rank: int = 16,
 ) -> tuple[ModelRunner, "Harness"]:
     config = RunnerConfig(
         model_path=config_path,
@@ -65,6 +68,8 @@ def make_runner(
         context_length=4096,
         cuda_graph_max_bs=graph_bs if graphs else 0,
         max_running_requests=max_reqs,
+        lora_slots=lora_slots,
+        max_lora_rank=max_lora_rank,
     )
     runner = ModelRunner(config)
     harness = Harness(runner, max_reqs)
@@ -90,7 +95,8 @@ class Harness:
         self.pool.table[dst, :n] = self.pool.table[src, :n]
         self.lens[dst] = n
 
-    def extend(self, rows: list[int], new_ids: list[list[int]]) -> torch.Tensor:
+    def extend(self, rows: list[int], new_ids: list[list[int]], lora: list[int] | None = None) -> torch.Tensor:
+        """`lora`: each row's adapter slot (-1: none), for a runner with a LoRA pool."""
         prefix = [self.lens.get(r, 0) for r in rows]
         slots = self.alloc.alloc(sum(len(i) for i in new_ids))
         locs, positions, off = [], [], 0
@@ -114,9 +120,11 @@ class Harness:
             [len(i) for i in new_ids],
             self.pool.table,
         )
+        if lora is not None:
+            batch.lora = make_lora_batch(lora, self.dev, [len(i) for i in new_ids])
         return self.runner.forward(batch).clone()
 
-    def decode(self, rows: list[int], tokens: list[int]) -> torch.Tensor:
+    def decode(self, rows: list[int], tokens: list[int], lora: list[int] | None = None) -> torch.Tensor:
         lens = [self.lens[r] for r in rows]
         slots = self.alloc.alloc(len(rows))
         self.pool.table[torch.tensor(rows, device=self.dev), torch.tensor(lens, device=self.dev)] = slots.to(
@@ -137,6 +145,8 @@ class Harness:
             [1] * len(rows),
             self.pool.table,
         )
+        if lora is not None:
+            batch.lora = make_lora_batch(lora, self.dev)
         return self.runner.forward(batch).clone()
 
 

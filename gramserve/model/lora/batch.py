@@ -10,8 +10,6 @@ from dataclasses import dataclass
 
 import torch
 
-BLOCK_M = 16  # rows per tile of the GPU kernel (triton_ops.py)
-
 
 @dataclass
 class LoRABatch:
@@ -19,7 +17,6 @@ class LoRABatch:
     starts: torch.Tensor  # [S] int32 on the device, the same segments (a CUDA graph's are padded with empty ones)
     lengths: torch.Tensor
     slots: torch.Tensor
-    m_split: int  # GPU kernel: programs sharing one segment's rows
 
     @property
     def max_len(self) -> int:
@@ -51,5 +48,4 @@ def make_lora_batch(
     table = torch.tensor(segments, dtype=torch.int32).t().contiguous()
     if device.type != "cpu":
         table = table.to(device, non_blocking=True)
-    longest = max(n for _, n, _ in segments)
-    return LoRABatch(segments, table[0], table[1], table[2], m_split=min(-(-longest // BLOCK_M), 64))
+    return LoRABatch(segments, table[0], table[1], table[2])
