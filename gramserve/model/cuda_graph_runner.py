@@ -16,7 +16,7 @@ import time
 import torch
 
 from gramserve.model.forward_batch import ForwardBatch, ForwardMode
-from gramserve.model.lora.batch import LoRABatch
+from gramserve.model.lora.batch import BLOCK_M, LoRABatch
 
 logger = logging.getLogger(__name__)
 
@@ -62,14 +62,15 @@ class CudaGraphRunner:
             extend_seq_lens_cpu=[1] * bs,
             req_to_token=self.req_to_token,
             attn_metadata=meta,
-            lora=self._lora_batch() if lora else None,
+            lora=self._lora_batch(bs) if lora else None,
         )
 
-    def _lora_batch(self) -> LoRABatch | None:
+    def _lora_batch(self, bs: int) -> LoRABatch | None:
         if self.lora_table is None:
             return None
         t = self.lora_table
-        return LoRABatch([], t[0], t[1], t[2])
+        # Lanes enough for one adapter's segment of the whole batch (those of a smaller segment find no rows).
+        return LoRABatch([], t[0], t[1], t[2], m_split=min(-(-bs // BLOCK_M), 8))
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+BLOCK_M = 16  # rows per block of the GPU kernels (triton_ops.py; tl.dot's smallest tile)
+
 
 @dataclass
 class LoRABatch:
@@ -17,6 +19,7 @@ class LoRABatch:
     starts: torch.Tensor  # [S] int32 on the device, the same segments (a CUDA graph's are padded with empty ones)
     lengths: torch.Tensor
     slots: torch.Tensor
+    m_split: int  # GPU kernels: programs (lanes) sharing one segment's rows
 
     @property
     def max_len(self) -> int:
@@ -48,4 +51,5 @@ def make_lora_batch(
     table = torch.tensor(segments, dtype=torch.int32).t().contiguous()
     if device.type != "cpu":
         table = table.to(device, non_blocking=True)
-    return LoRABatch(segments, table[0], table[1], table[2])
+    longest = max(n for _, n, _ in segments)
+    return LoRABatch(segments, table[0], table[1], table[2], m_split=min(-(-longest // BLOCK_M), 64))

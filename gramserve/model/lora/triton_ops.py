@@ -1,9 +1,11 @@
 """The GPU's segmented LoRA matmuls (Triton): shrink h = x A^T, then expand y += h B^T, per segment of rows.
 
-Program (column tile, row block) takes BLOCK_M rows of the batch and, for each segment that overlaps them (usually
-one), multiplies its rows by the segment's adapter slot of the weights. The grid depends only on the batch's
-token count, so it stays fixed for a CUDA graph; a segment of no rows (a graph's padding) or of slot -1 does
-nothing. Each adapter's weight tiles are read once per row block of its rows, not once per row.
+Program (column tile, m lane, segment) multiplies rows of its segment, in blocks of BLOCK_M rows strided by the
+number of m lanes, by the segment's adapter slot of the weights. A segment of no rows (a CUDA graph's padding) or
+of slot -1 returns at once, so the grid can stay fixed for a graph. Each adapter's weight tiles are read once per
+lane that has rows, not once per row. (Measured on H100 / H200, 8B shape: this beat a grid of row blocks that loop
+over the segments overlapping them, which serialises the adapters of a block: 1.64-1.78x the base TPOT against
+1.19-1.38x with 16 adapters at batch 64.)
 
 - shrink: with few rows (decode), K (the projection's input, 4096-14336) is split across programs, each writing its
   partial sums (fp32) to its own plane of `partial` [splits, T, n * R]: no atomics, and enough programs to fill the
@@ -18,43 +20,42 @@ import torch
 import triton
 import triton.language as tl
 
-from gramserve.model.lora.batch import LoRABatch
+from gramserve.model.lora.batch import BLOCK_M, LoRABatch
 from gramserve.model.lora.pool import ProjectionPool
 
-BLOCK_M = 16  # rows per block (tl.dot's smallest tile)
-SPLIT_K_CHUNK = 512  # input columns per shrink program when K is split
+SPLIT_K_CHUNK = 256  # input columns per shrink program when K is split
 SPLIT_K_MAX_ROWS = 128  # batches of more tokens (prefill) do not split K: their rows give the parallelism
 
 
 @triton.jit
 def _shrink_kernel(
     X, A, P, STARTS, LENGTHS, SLOTS,
-    N, K, K_CHUNK, SEGMENTS,
+    N, K, K_CHUNK,
     stride_xm, stride_as, stride_an, stride_ps, stride_pm,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """P[split, rows, n] = sum over split's k of X[rows, k] * A[slot, n, k], for the rows of one block that belong to
-    each segment."""
-    pid0, block = tl.program_id(0), tl.program_id(1)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    pid_n, split = pid0 % n_tiles, pid0 // n_tiles
-    k_lo = split * K_CHUNK
-    k_hi = tl.minimum(k_lo + K_CHUNK, K)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    for seg in range(SEGMENTS):
+    """P[split, rows, n] = sum over split's k of X[rows, k] * A[slot, n, k], for the rows of one segment."""
+    pid0, lane, seg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    lanes = tl.num_programs(1)
+    length = tl.load(LENGTHS + seg)
+    slot = tl.load(SLOTS + seg)
+    if length > 0 and slot >= 0:
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        pid_n, split = pid0 % n_tiles, pid0 // n_tiles
+        k_lo = split * K_CHUNK
+        k_hi = tl.minimum(k_lo + K_CHUNK, K)
         start = tl.load(STARTS + seg)
-        end = start + tl.load(LENGTHS + seg)
-        slot = tl.load(SLOTS + seg)
-        if slot >= 0 and start < (block + 1) * BLOCK_M and end > block * BLOCK_M:
-            mine = (rows >= start) & (rows < end)
-            a_base = A + slot.to(tl.int64) * stride_as
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        a_base = A + slot.to(tl.int64) * stride_as
+        for m0 in range(lane * BLOCK_M, length, lanes * BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            rows = (start + offs_m).to(tl.int64)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(
-                    X + rows.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
-                    mask=mine[:, None] & (offs_k[None, :] < k_hi),
+                    X + rows[:, None] * stride_xm + offs_k[None, :],
+                    mask=(offs_m[:, None] < length) & (offs_k[None, :] < k_hi),
                     other=0.0,
                 )
                 a = tl.load(
@@ -63,53 +64,53 @@ def _shrink_kernel(
                     other=0.0,
                 )
                 acc += tl.dot(x, a)
-            p_ptrs = P + split * stride_ps + rows.to(tl.int64)[:, None] * stride_pm + offs_n[None, :]
-            tl.store(p_ptrs, acc, mask=mine[:, None] & (offs_n[None, :] < N))
+            p_ptrs = P + split * stride_ps + rows[:, None] * stride_pm + offs_n[None, :]
+            tl.store(p_ptrs, acc, mask=(offs_m[:, None] < length) & (offs_n[None, :] < N))
 
 
 @triton.jit
 def _expand_kernel(
     P, B, Y, STARTS, LENGTHS, SLOTS,
-    SPLITS, R, TILES, SEGMENTS,
+    SPLITS, R, TILES,
     N0, N1, N2, OUT0, OUT1, OUT2, ROW0, ROW1, ROW2,
     stride_ps, stride_pm, stride_bs, stride_bn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Y[rows, OUT_s + n] += sum_k h[rows, s * R + k] * B[slot, ROW_s + n, k] for module s of the projection, where
-    h is the sum of the partial planes P, for the rows of one block that belong to each segment."""
-    pid0, block = tl.program_id(0), tl.program_id(1)
+    h is the sum of the partial planes P, for the rows of one segment."""
+    pid0, lane, seg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    lanes = tl.num_programs(1)
     sub, tile = pid0 // TILES, pid0 % TILES
     n = tl.where(sub == 0, N0, tl.where(sub == 1, N1, N2))
-    if tile * BLOCK_N < n:
+    length = tl.load(LENGTHS + seg)
+    slot = tl.load(SLOTS + seg)
+    if length > 0 and slot >= 0 and tile * BLOCK_N < n:
         out0 = tl.where(sub == 0, OUT0, tl.where(sub == 1, OUT1, OUT2))
         row0 = tl.where(sub == 0, ROW0, tl.where(sub == 1, ROW1, ROW2))
+        start = tl.load(STARTS + seg)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        for seg in range(SEGMENTS):
-            start = tl.load(STARTS + seg)
-            end = start + tl.load(LENGTHS + seg)
-            slot = tl.load(SLOTS + seg)
-            if slot >= 0 and start < (block + 1) * BLOCK_M and end > block * BLOCK_M:
-                mine = (rows >= start) & (rows < end)
-                b_base = B + slot.to(tl.int64) * stride_bs + row0.to(tl.int64) * stride_bn
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for k0 in range(0, R, BLOCK_K):
-                    offs_k = k0 + tl.arange(0, BLOCK_K)
-                    h_ptrs = P + rows.to(tl.int64)[:, None] * stride_pm + (sub * R + offs_k)[None, :]
-                    h_mask = mine[:, None] & (offs_k[None, :] < R)
-                    h = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-                    for split in range(SPLITS):
-                        h += tl.load(h_ptrs + split * stride_ps, mask=h_mask, other=0.0)
-                    b = tl.load(
-                        b_base + offs_n[None, :] * stride_bn + offs_k[:, None],
-                        mask=(offs_n[None, :] < n) & (offs_k[:, None] < R),
-                        other=0.0,
-                    )
-                    acc += tl.dot(h.to(b.dtype), b)
-                y_ptrs = Y + rows.to(tl.int64)[:, None] * stride_ym + (out0 + offs_n)[None, :]
-                mask = mine[:, None] & (offs_n[None, :] < n)
-                acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-                tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask)
+        b_base = B + slot.to(tl.int64) * stride_bs + row0.to(tl.int64) * stride_bn
+        for m0 in range(lane * BLOCK_M, length, lanes * BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            rows = (start + offs_m).to(tl.int64)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, R, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                h_ptrs = P + rows[:, None] * stride_pm + (sub * R + offs_k)[None, :]
+                h_mask = (offs_m[:, None] < length) & (offs_k[None, :] < R)
+                h = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+                for split in range(SPLITS):
+                    h += tl.load(h_ptrs + split * stride_ps, mask=h_mask, other=0.0)
+                b = tl.load(
+                    b_base + offs_n[None, :] * stride_bn + offs_k[:, None],
+                    mask=(offs_n[None, :] < n) & (offs_k[:, None] < R),
+                    other=0.0,
+                )
+                acc += tl.dot(h.to(b.dtype), b)
+            y_ptrs = Y + rows[:, None] * stride_ym + (out0 + offs_n)[None, :]
+            mask = (offs_m[:, None] < length) & (offs_n[None, :] < n)
+            acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=mask)
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, proj: ProjectionPool, batch: LoRABatch) -> None:
@@ -121,10 +122,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, proj: ProjectionPool, batch: LoRA
     chunk = triton.cdiv(k, splits)
     partial = torch.empty(splits, tokens, n, dtype=torch.float32, device=x.device)
     block_n = min(128, max(16, triton.next_power_of_2(n)))
-    segs, blocks = batch.slots.shape[0], triton.cdiv(tokens, BLOCK_M)
-    _shrink_kernel[(triton.cdiv(n, block_n) * splits, blocks)](
+    segs = batch.slots.shape[0]
+    _shrink_kernel[(triton.cdiv(n, block_n) * splits, batch.m_split, segs)](
         x, a, partial, batch.starts, batch.lengths, batch.slots,
-        n, k, chunk, segs,
+        n, k, chunk,
         x.stride(0), a.stride(0), a.stride(1), partial.stride(0), partial.stride(1),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=64 if chunk >= 64 else 16,
         num_warps=4,
@@ -134,9 +135,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, proj: ProjectionPool, batch: LoRA
     rows = [s.b_start for s in subs] + [0] * (3 - len(subs))
     block_n = 128 if max(widths) >= 128 else 64
     tiles = triton.cdiv(max(widths), block_n)
-    _expand_kernel[(tiles * len(subs), blocks)](
+    _expand_kernel[(tiles * len(subs), batch.m_split, segs)](
         partial, b, y, batch.starts, batch.lengths, batch.slots,
-        splits, r, tiles, segs,
+        splits, r, tiles,
         *widths, *outs, *rows,
         partial.stride(0), partial.stride(1), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=min(r, 64),
