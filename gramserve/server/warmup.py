@@ -3,9 +3,9 @@ client's (TokenizerManager -> scheduler -> detokenizer), so that kernels are com
 caches filled and lazy initializations done before the first user request rather than inside it.
 
 The cases cover prefill (short, over a cached prefix, a chunked long prompt), decode at several batch sizes, every
-sampling path (greedy, top-k / top-p, seeded, penalties and bias, logprobs) and grammar masks (a JSON schema, a
-regex). While they run /health and new requests answer 503 "warming up"; the log shows a progress bar and what
-each case took. `--skip-warmup` turns it off.
+sampling path (greedy, top-k / top-p, seeded, penalties and bias, logprobs), grammar masks (a JSON schema, a
+regex) and, with LoRA adapters, an adapter's requests. While they run /health and new requests answer 503 "warming
+up"; the log shows a progress bar and what each case took. `--skip-warmup` turns it off.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class WarmupCase:
     grammar: GrammarRequest | None = None
     top_logprobs: int = 0
     prompt_offset: int = 0  # where in the warm-up text the prompt starts (0: shares the other prompts' prefix)
+    lora: str | None = None  # a LoRA adapter's name
 
 
 def warmup_cases(device: str, context_length: int, chunk: int, max_running: int) -> list[WarmupCase]:
@@ -123,6 +124,7 @@ async def _run_case(tm, case: WarmupCase, index: int) -> None:
             return_logprob=case.top_logprobs > 0,
             top_logprobs=case.top_logprobs,
             grammar=case.grammar,
+            lora=case.lora,
         ):
             pass
 
@@ -160,6 +162,9 @@ async def warm_up_server(config, tm, runner_info: dict) -> None:
     cases = warmup_cases(
         settings.device, runner_info["context_length"], settings.chunked_prefill_size, settings.max_running_requests
     )
+    if tm.lora.names:  # the adapters' kernels: a batch of an adapter and the base model
+        greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+        cases.append(WarmupCase("LoRA adapter", 24, greedy, copies=2, prompt_offset=5, lora=tm.lora.names[0]))
     try:
         await warm_up(tm, cases)
     finally:
