@@ -10,8 +10,8 @@ over the segments overlapping them, which serialises the adapters of a block: 1.
 - shrink: with few rows (decode), K (the projection's input, 4096-14336) is split across programs, each writing its
   partial sums (fp32) to its own plane of `partial` [splits, T, n * R]: no atomics, and enough programs to fill the
   GPU when a single row's adapter must be read.
-- expand: one launch for every targeted module of the projection (q, k and v together), after one reduction of the
-  partial planes into h: it adds h B^T to its module's columns of y.
+- expand: one launch for every targeted module of the projection (q, k and v together): it sums the partial planes
+  of its rows (R columns each: cheap) and adds h B^T to its module's columns of y.
 """
 
 from __future__ import annotations
@@ -70,14 +70,14 @@ def _shrink_kernel(
 
 @triton.jit
 def _expand_kernel(
-    H, B, Y, STARTS, LENGTHS, SLOTS,
-    R, TILES,
+    P, B, Y, STARTS, LENGTHS, SLOTS,
+    SPLITS, R, TILES,
     N0, N1, N2, OUT0, OUT1, OUT2, ROW0, ROW1, ROW2,
-    stride_hm, stride_bs, stride_bn, stride_ym,
+    stride_ps, stride_pm, stride_bs, stride_bn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Y[rows, OUT_s + n] += sum_k h[rows, s * R + k] * B[slot, ROW_s + n, k] for module s of the projection, where
-    h = H (the shrink's output), for the rows of one segment."""
+    h is the sum of the partial planes P, for the rows of one segment."""
     pid0, lane, seg = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     lanes = tl.num_programs(1)
     sub, tile = pid0 // TILES, pid0 % TILES
@@ -96,11 +96,11 @@ def _expand_kernel(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, R, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
-                h = tl.load(
-                    H + rows[:, None] * stride_hm + (sub * R + offs_k)[None, :],
-                    mask=(offs_m[:, None] < length) & (offs_k[None, :] < R),
-                    other=0.0,
-                )
+                h_ptrs = P + rows[:, None] * stride_pm + (sub * R + offs_k)[None, :]
+                h_mask = (offs_m[:, None] < length) & (offs_k[None, :] < R)
+                h = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+                for split in range(SPLITS):
+                    h += tl.load(h_ptrs + split * stride_ps, mask=h_mask, other=0.0)
                 b = tl.load(
                     b_base + offs_n[None, :] * stride_bn + offs_k[:, None],
                     mask=(offs_n[None, :] < n) & (offs_k[:, None] < R),
@@ -130,19 +130,16 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, proj: ProjectionPool, batch: LoRA
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=64 if chunk >= 64 else 16,
         num_warps=4,
     )  # fmt: skip
-    # One reduction of the partial planes here, rather than in every expand program (each reads its rows' h for
-    # each of its column tiles: at rank 64 the planes were re-read from L2 a few hundred times per step).
-    h = partial.sum(0) if splits > 1 else partial[0]
     widths = [s.out_end - s.out_start for s in subs] + [0] * (3 - len(subs))
     outs = [s.out_start for s in subs] + [0] * (3 - len(subs))
     rows = [s.b_start for s in subs] + [0] * (3 - len(subs))
     block_n = 128 if max(widths) >= 128 else 64
     tiles = triton.cdiv(max(widths), block_n)
     _expand_kernel[(tiles * len(subs), batch.m_split, segs)](
-        h, b, y, batch.starts, batch.lengths, batch.slots,
-        r, tiles,
+        partial, b, y, batch.starts, batch.lengths, batch.slots,
+        splits, r, tiles,
         *widths, *outs, *rows,
-        h.stride(0), b.stride(0), b.stride(1), y.stride(0),
+        partial.stride(0), partial.stride(1), b.stride(0), b.stride(1), y.stride(0),
         BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=min(r, 64),
         num_warps=4,
     )  # fmt: skip
