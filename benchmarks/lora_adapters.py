@@ -12,23 +12,9 @@ import os
 import torch
 from safetensors.torch import save_file
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def module_dims(config: dict) -> dict[str, tuple[int, int]]:
-    h, i = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or h // heads
-    q, kv = heads * head_dim, config.get("num_key_value_heads", heads) * head_dim
-    return {
-        "q_proj": (h, q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, i),
-        "up_proj": (h, i),
-        "down_proj": (i, h),
-    }
+from gramserve.config import LORA_TARGET_MODULES as TARGETS
+from gramserve.model.lora.adapter import module_path, module_shapes
+from gramserve.model.model_config import ModelConfig
 
 
 def write_random_adapter(
@@ -36,13 +22,12 @@ def write_random_adapter(
 ) -> str:
     """An adapter of small random weights (bf16) on every layer's `targets`."""
     gen = torch.Generator().manual_seed(seed)
-    dims = module_dims(config)
+    dims = module_shapes(ModelConfig.from_dict(config))
     tensors = {}
     for layer in range(config["num_hidden_layers"]):
         for module in targets:
             fan_in, fan_out = dims[module]
-            parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            prefix = f"base_model.model.model.layers.{layer}.{parent}.{module}"
+            prefix = f"base_model.model.{module_path(layer, module)}"
             a = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
             b = torch.randn(fan_out, rank, generator=gen) * 0.01
             tensors[f"{prefix}.lora_A.weight"] = a.to(torch.bfloat16)

@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gramserve.config import LORA_TARGET_MODULES as TARGET_MODULES  # the projections LoRA may adapt (HF names)
 from gramserve.model.model_config import ModelConfig
 
-# The projections LoRA may adapt, by their HF names.
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _WEIGHT_NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 MEMORY_MARGIN_BYTES = 1 << 30  # host memory kept free when an adapter loads
 
@@ -102,6 +101,12 @@ def read_adapter_config(path: str) -> AdapterConfig:
     )
 
 
+def module_path(layer: int, module: str) -> str:
+    """A target's dotted path in an HF Llama-family model (PEFT's weight names and patterns use it)."""
+    parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+    return f"model.layers.{layer}.{parent}.{module}"
+
+
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each target projection."""
     h, i = cfg.hidden_size, cfg.intermediate_size
@@ -124,10 +129,6 @@ class LoRAAdapter:
     path: str
     rank: int  # the largest rank of its modules
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
     @property
     def target_modules(self) -> set[str]:
@@ -223,9 +224,7 @@ def load_adapter(
             raise LoRAAdapterError(
                 f"the adapter's rank {rank} (layer {layer} {module}) is above this server's --max-lora-rank {max_rank}"
             )
-        parent = "mlp" if module in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-        module_path = f"model.layers.{layer}.{parent}.{module}"
-        scaling = config.scaling(module_path, rank)
+        scaling = config.scaling(module_path(layer, module), rank)
         weights[(layer, module)] = (
             a.to(dtype).contiguous(),
             (b.float() * scaling).to(dtype).contiguous(),

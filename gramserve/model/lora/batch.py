@@ -21,10 +21,6 @@ class LoRABatch:
     slots: torch.Tensor
     m_split: int  # GPU kernels: programs (lanes) sharing one segment's rows
 
-    @property
-    def max_len(self) -> int:
-        return max((n for _, n, _ in self.segments), default=0)
-
 
 def segments_of(row_slots: list[int], row_tokens: list[int] | None = None) -> list[tuple[int, int, int]]:
     """Runs of rows with the same slot (>= 0), as token ranges; `row_tokens`: tokens of each row (default 1)."""
