@@ -7,7 +7,10 @@ runs, with ``max(2c, --min-requests)`` streamed completions at most ``c`` in fli
 ``--output-len`` tokens with ``ignore_eos``, greedy):
 
 - *base*: every request on the base model;
-- *k adapters*, for each k of ``--adapters``: request i on adapter i mod k, so each batch mixes k adapters.
+- *k adapters*, for each k of ``--adapters``: request i on adapter i mod k, so each batch mixes k adapters;
+- *base again*: the base run once more (how much the server drifted over the runs).
+
+Each concurrency first warms the server with a burst on the base model and one on the most adapters.
 
 Reported: mean TPOT (per request, first to last token / (tokens - 1)) and output tok/s of each run, and the ratio
 of each adapter run's TPOT to the base run's of the same server. ``--no-lora-baseline`` also starts a server without
@@ -91,7 +94,10 @@ def measure_server(server: Server, args, adapters: list[str], label: str) -> lis
         n = max(2 * c, args.min_requests)
         reqs = requests(n, args.input_len, args.output_len, args.vocab, seed=c)
         runs = [("base", ["default"])] + [(f"{k} adapters", adapters[:k]) for k in args.adapters if adapters]
-        asyncio.run(run(server.base_url, runs[-1][1], c, reqs[: min(n, 2 * c)]))  # warm this batch size
+        for _, models in (runs[0], runs[-1]):  # warm this batch size, without and with adapters
+            asyncio.run(run(server.base_url, models, c, reqs[: min(n, 2 * c)]))
+        if adapters:
+            runs.append(("base again", ["default"]))  # the drift of the server over the runs
         base = None
         for name, models in runs:
             out = asyncio.run(run(server.base_url, models, c, reqs))

@@ -386,10 +386,13 @@ for row_slots, row_tokens in (([3, -1, 0, 0], [20, 3, 1, 5]), ([1, 2, 1], None),
     batch = make_lora_batch(row_slots, torch.device("cpu"), row_tokens)
     if batch is None:
         continue
-    want, got = y.clone(), y.clone()
+    want = y.clone()
     add_lora_torch(want, x, proj, batch)
-    triton_ops.add_lora(got, x, proj, batch)
-    assert torch.allclose(got, want, atol=1e-3), (got - want).abs().max()
+    # K whole; K in 3 splits with output tiles of 64 in groups of 2 (the 70-column modules: a group of 2 and its end)
+    for cfg in (triton_ops.DEFAULT, triton_ops.KernelConfig(split_k_chunk=16, expand_block_n=64, expand_group=2)):
+        got = y.clone()
+        triton_ops.add_lora(got, x, proj, batch, cfg)
+        assert torch.allclose(got, want, atol=1e-3), (cfg, (got - want).abs().max())
 # a CUDA graph's table: padded with empty segments, which do nothing
 batch = make_lora_batch([0, 0, 2], torch.device("cpu"))
 pad = torch.zeros(3, 5, dtype=torch.int32)
@@ -398,7 +401,7 @@ batch.starts, batch.lengths, batch.slots = pad[0], pad[1], pad[2]
 x, y = torch.randn(3, k), torch.randn(3, 140)
 want, got = y.clone(), y.clone()
 add_lora_torch(want, x, proj, batch)
-triton_ops.add_lora(got, x, proj, batch)
+triton_ops.add_lora(got, x, proj, batch, triton_ops.KernelConfig(split_k_chunk=16))
 assert torch.allclose(got, want, atol=1e-3)
 print("ok")
 """

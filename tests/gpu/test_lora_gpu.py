@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmar
 from lora_adapters import write_random_adapter  # noqa: E402
 
 
-@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("rank", [16, 64, 128])
 @pytest.mark.parametrize("shape", [(4096, (4096, 1024, 1024)), (14336, (4096,)), (4096, (14336, 14336))])
 def test_triton_kernel_matches_torch(rank, shape):
     from gramserve.model.lora import triton_ops

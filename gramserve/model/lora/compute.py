@@ -1,7 +1,8 @@
-"""y += scaling * B(A(x)) for each row's adapter: the segmented LoRA matmuls of one projection.
+"""y += scaling * B(A(x)) for each row's adapter, in torch: the CPU's segmented LoRA matmuls and the reference of
+the GPU's Triton kernels (triton_ops.py, which LoRALinear uses on CUDA).
 
-On a CPU (and as the GPU kernel's reference) one pair of matmuls per segment; on CUDA the Triton kernels of
-triton_ops.py, which also run inside CUDA graphs (their segment tables are the graph's static inputs).
+One pair of matmuls per segment: the shrink h = x A^T for every targeted module of the projection at once, then
+one expand per module into its columns of y.
 """
 
 from __future__ import annotations
@@ -12,18 +13,8 @@ from gramserve.model.lora.batch import LoRABatch
 from gramserve.model.lora.pool import ProjectionPool
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, proj: ProjectionPool, batch: LoRABatch) -> torch.Tensor:
-    """Add the adapters' share to a projection's output `y` [T, out] (in place) for its input `x` [T, in]."""
-    if y.is_cuda:
-        from gramserve.model.lora import triton_ops
-
-        triton_ops.add_lora(y, x, proj, batch)
-    else:
-        add_lora_torch(y, x, proj, batch)
-    return y
-
-
 def add_lora_torch(y: torch.Tensor, x: torch.Tensor, proj: ProjectionPool, batch: LoRABatch) -> None:
+    """Add the adapters' share to a projection's output `y` [T, out] (in place) for its input `x` [T, in]."""
     r = proj.rank
     for start, length, slot in batch.segments:
         rows = slice(start, start + length)
