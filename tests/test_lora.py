@@ -332,6 +332,48 @@ def test_bad_lora_modules_stop_the_start(tmp_path, adapter_dirs):
     assert "--max-lora-rank 8" in srv.log()
 
 
+def test_a_load_does_not_stall_running_requests(tmp_path):
+    """A 156 MB adapter read at run time: a base stream keeps its pace (before the reader thread, the scheduler
+    read it in its loop and the stream stopped for about a second; for 2 s at 312 MB)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    from lora_adapters import write_random_adapter
+
+    with open(os.path.join(base_model_dir(), "config.json")) as f:
+        config = json.load(f)
+    big = write_random_adapter(config, str(tmp_path / "big"), 256, seed=3)
+    srv = start_server(str(tmp_path), "--enable-lora", "--max-lora-rank", "256", "--max-loras-per-batch", "1")
+    try:
+        stamps: list[float] = []
+
+        def stream():
+            body = {"model": "default", "prompt": "Count: 1, 2,", "max_tokens": 160, "temperature": 0}
+            body.update(stream=True, ignore_eos=True)
+            with httpx.stream("POST", srv.base_url + "/v1/completions", json=body, timeout=300) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        stamps.append(time.time())
+
+        t = threading.Thread(target=stream)
+        t.start()
+        deadline = time.time() + 120
+        while len(stamps) < 10 and time.time() < deadline:
+            time.sleep(0.01)
+        t0 = time.time()
+        r = httpx.post(srv.base_url + "/load_lora_adapter", json={"lora_name": "big", "lora_path": big}, timeout=300)
+        t1 = time.time()
+        t.join(300)
+        assert r.status_code == 200, r.text
+        during = [b - a for a, b in zip(stamps, stamps[1:]) if b >= t0 and a <= t1]
+        assert stamps[-1] > t1, "the stream ended before the load: nothing measured"
+        assert len(during) >= 3 and max(during) < 0.5, (t1 - t0, during)
+        out = asyncio.run(_complete(srv.base_url, "big", "Hello"))
+        assert out["model"] == "big"
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
+
+
 # --- the segmented matmul ----------------------------------------------------------------------------------------
 
 

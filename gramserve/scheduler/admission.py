@@ -92,8 +92,10 @@ class Admission:
                     active.update(r.lora_id for r, _ in picked if r.lora_id)
                 if not self.lora.fits(req.lora_id, active):
                     continue  # its adapter waits for a free slot (--max-loras-per-batch)
-                if not self._take_lora_slot(req, active):
-                    continue
+                if not self._lora_ready(req):
+                    continue  # its adapter is being read again, or could not be (failed)
+                req.lora_slot = self.lora.acquire(req.lora_id, active)
+                active.add(req.lora_id)
             match = self.cache.match_prefix(req.fill_ids[:-1], req.cache_namespace)
             extend = len(req.fill_ids) - match.length
             take = min(extend, budget) if chunk_size > 0 else extend
@@ -116,16 +118,14 @@ class Admission:
                 self.chunked = req
         return picked
 
-    def _take_lora_slot(self, req: Req, active: set[int]) -> bool:
+    def _lora_ready(self, req: Req) -> bool:
         try:
-            req.lora_slot = self.lora.acquire(req.lora_id, active)
+            return self.lora.ready(req.lora_id)
         except LoRAAdapterError as exc:
             self.waiting.remove(req)
             req.finished = FinishReason("abort", message=str(exc), status_code=exc.status)
             self.failed.append(req)
             return False
-        active.add(req.lora_id)
-        return True
 
     def _admit(self, req: Req, match: MatchResult) -> None:
         """Give a request its slot-table row and the cached prefix (already locked by the caller)."""

@@ -17,6 +17,7 @@ from gramserve.scheduler.stats import status_line
 
 logger = logging.getLogger(__name__)
 STATUS_INTERVAL_S = 10.0  # a one-line status at INFO this often while there is work
+LORA_POLL_MS = 5  # how often an idle loop looks for finished LoRA reads
 
 
 def run_scheduler_process(config: ServerConfig, ready_pipe, heartbeat=None) -> None:
@@ -58,10 +59,16 @@ def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket, heartbea
             if line is not None:
                 logger.info("%s", line)
             last_report, last_status = report, now
-        idle = not scheduler.has_work
-        # Block only when there is nothing to compute (a compile result also wakes us).
-        events = dict(poller.poll(timeout=1000 if idle else 0))
+        # Block only when there is nothing to compute (a compile result also wakes us). While LoRA files are read on
+        # their thread and nothing runs, look again every few ms instead of spinning.
+        if scheduler.waits_only_for_adapters:
+            timeout = LORA_POLL_MS
+        else:
+            timeout = 0 if scheduler.has_work else 1000
+        events = dict(poller.poll(timeout=timeout))
         scheduler.poll_grammar()
+        for qid, payload in scheduler.finished_lora_loads():
+            to_detok.send_pyobj(ControlResp(qid, payload))
         while inbox in events or inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 msg = inbox.recv_pyobj(zmq.NOBLOCK)
@@ -99,7 +106,9 @@ def handle_message(scheduler: Scheduler, msg, to_detok: zmq.Socket) -> None:
         elif msg.kind == "flush_cache":
             payload = scheduler.flush_cache()
         elif msg.kind == "load_lora":
-            payload = scheduler.load_lora(msg.args["lora_id"], msg.args["path"])
+            payload = scheduler.load_lora(msg.qid, msg.args["lora_id"], msg.args["path"])
+            if payload is None:
+                return  # answered once its files are read (loop: finished_lora_loads)
         elif msg.kind == "unload_lora":
             payload = scheduler.unload_lora(msg.args["lora_id"])
         else:

@@ -494,15 +494,35 @@ class Scheduler:
         self.cache.reset()
         return {"ok": True}
 
-    def load_lora(self, lora_id: int, path: str) -> dict:
-        """Register an adapter (ControlReq "load_lora"): read and checked now, so a bad one is refused at once."""
+    def load_lora(self, qid: str, lora_id: int, path: str) -> dict | None:
+        """Register an adapter (ControlReq "load_lora"). Its files are read and checked on the LoRA reader thread;
+        finished_lora_loads() gives the answer (None here), or the refusal at once when LoRA is off."""
         if self.lora is None:
             return {"ok": False, "status": 400, "error": "LoRA is off on this server (start it with --enable-lora)"}
-        try:
-            adapter = self.lora.register(lora_id, path)
-        except LoRAAdapterError as exc:
-            return {"ok": False, "status": exc.status, "error": str(exc)}
-        return {"ok": True, "rank": adapter.rank, "modules": sorted(adapter.target_modules)}
+        self.lora.register_later(qid, lora_id, path)
+        return None
+
+    def finished_lora_loads(self) -> list[tuple[str, dict]]:
+        """(qid, answer) of the run-time loads whose read is over."""
+        if self.lora is None:
+            return []
+        answers = []
+        for qid, result in self.lora.finished_registrations():
+            if isinstance(result, LoRAAdapterError):
+                answers.append((qid, {"ok": False, "status": result.status, "error": str(result)}))
+            else:
+                answers.append((qid, {"ok": True, "rank": result.rank, "modules": sorted(result.target_modules)}))
+        return answers
+
+    @property
+    def reading_adapters(self) -> bool:
+        return self.lora is not None and self.lora.reading
+
+    @property
+    def waits_only_for_adapters(self) -> bool:
+        """Nothing to compute but requests whose adapter files are being read."""
+        busy = self.running or self.admission.chunked or self.finished_early or self.inflight
+        return self.reading_adapters and not busy
 
     def unload_lora(self, lora_id: int) -> dict:
         if self.lora is not None:
