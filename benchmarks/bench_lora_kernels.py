@@ -26,16 +26,15 @@ from gramserve.model.lora.pool import LoRAPool
 from gramserve.model.model_config import ModelConfig
 
 VARIANTS = {
-    "default": triton_ops.KernelConfig(),  # 8 splits at most, groups of 4 tiles
-    "shrink k 128": triton_ops.KernelConfig(shrink_block_k=128),
-    "shrink k 128, 8 warps": triton_ops.KernelConfig(shrink_block_k=128, shrink_warps=8),
-    "shrink 2 stages": triton_ops.KernelConfig(shrink_stages=2),
-    "shrink 4 stages": triton_ops.KernelConfig(shrink_stages=4),
-    "shrink k 128, 4 stages": triton_ops.KernelConfig(shrink_block_k=128, shrink_stages=4),
-    "shrink k 32, 6 stages": triton_ops.KernelConfig(shrink_block_k=32, shrink_stages=6),
-    "max 16 splits, k 128": triton_ops.KernelConfig(max_splits=16, shrink_block_k=128),
+    "default": triton_ops.KernelConfig(),  # at most 8 K splits, expand groups of 4 tiles
+    "no split limit, group 1": triton_ops.KernelConfig(max_splits=0, expand_group=1),
+    "max 4 splits": triton_ops.KernelConfig(max_splits=4),
+    "max 16 splits": triton_ops.KernelConfig(max_splits=16),
     "group 2": triton_ops.KernelConfig(expand_group=2),
-    "expand block 256, 8 warps": triton_ops.KernelConfig(expand_block_n=256, expand_warps=8),
+    "group 8": triton_ops.KernelConfig(expand_group=8),
+    "shrink k 128": triton_ops.KernelConfig(shrink_block_k=128),
+    "shrink 4 stages": triton_ops.KernelConfig(shrink_stages=4),
+    "expand block 64": triton_ops.KernelConfig(expand_block_n=64),
 }
 
 
@@ -178,7 +177,12 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--variants", nargs="*", default=list(VARIANTS))
     p.add_argument("--json", help="write the rows here too")
-    p.add_argument("--modes", nargs="+", default=["", " + side stream", " + side stream (both kernels)"])
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["", " + side stream", " + side stream (both kernels)"],
+        help="'': after the base matmul; ' + side stream': the shrink beside it; '... (both kernels)': as the server",
+    )
     p.add_argument("--m-split", type=int, default=0, help="lanes per segment (0: as the server's graphs)")
     p.add_argument("--breakdown", action="store_true", help="also time each projection's kernels alone")
     args = p.parse_args()
