@@ -27,7 +27,12 @@ class Harness:
         self.pool = ReqToTokenPool(16, runner.context_length, runner.device)
 
     def extend(
-        self, rows: list[int], prefix_lens: list[int], new_ids: list[list[int]], all_logits: bool = False
+        self,
+        rows: list[int],
+        prefix_lens: list[int],
+        new_ids: list[list[int]],
+        all_logits: bool = False,
+        input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         locs, positions = [], []
         for row, prefix, ids in zip(rows, prefix_lens, new_ids):
@@ -47,6 +52,7 @@ class Harness:
             [len(i) for i in new_ids],
             self.pool.table,
             return_all_logits=all_logits,
+            input_embeds=input_embeds,
         )
         return self.runner.forward(batch)
 

@@ -29,6 +29,9 @@ class ForwardBatch:
     return_all_logits: bool = False  # logits for every new token instead of the last of each request
     attn_metadata: Any = None  # filled by the attention backend, shared by all layers
     lora: Any = None  # lora.batch.LoRABatch: which token rows use which adapter slot; None: no adapter rows
+    # Multimodal: (rows of input_ids [N], embeddings [N, hidden]) that replace those tokens' embeddings (an image's
+    # placeholder tokens get its vision features); None: text only.
+    input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -245,6 +245,9 @@ class LlamaForCausalLM(nn.Module):
         if self.lora is not None:
             self.lora.batch = batch.lora
         x, residual = self.embed_tokens(batch.input_ids), None
+        if batch.input_embeds is not None:
+            rows, embeds = batch.input_embeds
+            x[rows] = embeds.to(x.dtype)
         for layer in self.layers:
             x, residual = layer(x, residual, batch.positions, self.rope, backend, batch)
         if not batch.return_all_logits and batch.mode != ForwardMode.DECODE:  # decode: every token is a last one
@@ -359,9 +362,13 @@ class LlamaForCausalLM(nn.Module):
             bounds = [0, cfg.intermediate_size, 2 * cfg.intermediate_size]
         return slice(bounds[shard], bounds[shard + 1])
 
+    def _text_parameters(self) -> list[str]:
+        """The parameters load_weights fills (a vision-language subclass loads its tower's itself)."""
+        return list(dict(self.named_parameters()))
+
     def _check_all_loaded(self, loaded: set[str], fused: dict) -> None:
         missing = []
-        for name in dict(self.named_parameters()):
+        for name in self._text_parameters():
             if "qkv_proj" in name:
                 shards = 3
             elif "gate_up_proj" in name:

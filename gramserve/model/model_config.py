@@ -1,8 +1,9 @@
-"""The decoder shape we need, read from an HF config.json (Llama, Mistral, Qwen2, Qwen3 families)."""
+"""The decoder shape we need, read from an HF config.json (Llama, Mistral, Qwen2, Qwen3 families; LLaVA: its
+text model's shape plus the vision tower's, `VisionConfig`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = {
@@ -11,10 +12,75 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+# Vision-language models: the text model's family comes from text_config's model_type.
+VLM_ARCHITECTURES = {"LlavaForConditionalGeneration": "llava"}
+TEXT_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 class UnsupportedModelError(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """A LLaVA model's CLIP vision tower and projector (HF LlavaConfig's vision_config and top-level fields)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    image_size: int
+    patch_size: int
+    num_channels: int
+    layer_norm_eps: float
+    hidden_act: str  # the tower's MLP: quick_gelu (CLIP) or gelu
+    feature_layer: int  # which hidden state feeds the projector (HF: -2, the second to last layer's output)
+    select_strategy: str  # "default": drop the class token; "full": keep it
+    projector_act: str
+    projector_bias: bool
+    image_token_id: int
+
+    @property
+    def num_patches(self) -> int:
+        return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.num_patches + (1 if self.select_strategy == "full" else 0)
+
+    @property
+    def layers_run(self) -> int:
+        """Encoder layers whose output the feature layer needs (hidden state i is the output of layer i)."""
+        layer = self.feature_layer if self.feature_layer >= 0 else self.num_layers + 1 + self.feature_layer
+        return layer
+
+    @classmethod
+    def from_llava(cls, cfg: dict[str, Any]) -> "VisionConfig":
+        v = cfg["vision_config"]
+        if v.get("model_type", "clip_vision_model") != "clip_vision_model":
+            raise UnsupportedModelError(f"LLaVA vision tower {v.get('model_type')!r}: gramserve runs CLIP's")
+        layer = cfg.get("vision_feature_layer", -2)
+        if not isinstance(layer, int):
+            raise UnsupportedModelError("LLaVA with several vision feature layers is not supported")
+        strategy = cfg.get("vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise UnsupportedModelError(f"vision_feature_select_strategy {strategy!r} is not supported")
+        return cls(
+            hidden_size=v.get("hidden_size", 768),
+            intermediate_size=v.get("intermediate_size", 3072),
+            num_layers=v.get("num_hidden_layers", 12),
+            num_heads=v.get("num_attention_heads", 12),
+            image_size=v.get("image_size", 224),
+            patch_size=v.get("patch_size", 32),
+            num_channels=v.get("num_channels", 3),
+            layer_norm_eps=float(v.get("layer_norm_eps", 1e-5)),
+            hidden_act=v.get("hidden_act", "quick_gelu"),
+            feature_layer=layer,
+            select_strategy=strategy,
+            projector_act=cfg.get("projector_hidden_act", "gelu"),
+            projector_bias=bool(cfg.get("multimodal_projector_bias", True)),
+            image_token_id=cfg.get("image_token_index", cfg.get("image_token_id", 32000)),
+        )
 
 
 @dataclass
@@ -37,15 +103,24 @@ class ModelConfig:
     qk_norm: bool
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    vision: VisionConfig | None = None  # a vision-language model's tower (architecture: its VLM class)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
+        vlm = next((a for a in archs if a in VLM_ARCHITECTURES), None)
+        if vlm is not None:
+            text = dict(cfg["text_config"])
+            text_arch = TEXT_MODEL_TYPES.get(text.get("model_type", "llama"))
+            if text_arch is None:
+                raise UnsupportedModelError(f"{vlm} with a {text.get('model_type')!r} text model is not supported")
+            text.setdefault("eos_token_id", cfg.get("eos_token_id"))
+            text_cfg = cls.from_dict({**text, "architectures": [text_arch]})
+            return replace(text_cfg, architecture=vlm, vision=VisionConfig.from_llava(cfg))
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise UnsupportedModelError(
-                f"architectures {archs} not supported; gramserve runs {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+            supported = sorted(SUPPORTED_ARCHITECTURES) + sorted(VLM_ARCHITECTURES)
+            raise UnsupportedModelError(f"architectures {archs} not supported; gramserve runs {supported}")
         family = SUPPORTED_ARCHITECTURES[arch]
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads

@@ -18,6 +18,7 @@ from gramserve.model.attention import create_backend
 from gramserve.model.forward_batch import ForwardBatch
 from gramserve.model.kv_cache import KVCache
 from gramserve.model.llama import LlamaForCausalLM
+from gramserve.model.llava import LlavaForConditionalGeneration
 from gramserve.model.loader import default_gguf_path, load_config_dict, resolve_model
 from gramserve.model.lora.adapter import TARGET_MODULES
 from gramserve.model.lora.pool import LoRAPool
@@ -177,7 +178,8 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device("meta"):
-                model = LlamaForCausalLM(self.config, self.context_length)
+                model_class = LlavaForConditionalGeneration if self.config.vision is not None else LlamaForCausalLM
+                model = model_class(self.config, self.context_length)
         finally:
             torch.set_default_dtype(prev_dtype)
         model = model.to_empty(device=self.device)
