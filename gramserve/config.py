@@ -168,6 +168,13 @@ class ServerArgs:
     lora_target_modules: tuple[str, ...] | None = None  # projections adapters may adapt (None: all seven)
     max_loras_per_batch: int = 8  # distinct adapters in one batch: the device pool's slots
     max_loaded_loras: int | None = None  # adapters kept in host memory (LRU); None: 4 x max_loras_per_batch
+    # Images in chat messages (vision-language models, docs/multimodal.md)
+    allowed_local_media_path: str | None = None  # file:// image URLs are read only under this folder; None: refused
+    allowed_media_domains: tuple[str, ...] = ()  # http(s) image URLs are fetched only from these hosts ("*": any)
+    max_image_bytes: int = 20 * 1024 * 1024  # an image's encoded size
+    max_image_pixels: int = 50_000_000  # an image's width x height, checked before its pixels are decoded
+    max_images_per_request: int = 16
+    media_fetch_timeout: float = 10.0  # seconds for one image URL
     # Batch API (server/batch/, docs/batch.md)
     # uploaded files, batch outputs and their SQLite metadata; None: $GRAMSERVE_DATA_DIR, else
     # $XDG_DATA_HOME/gramserve (~/.local/share/gramserve)
@@ -187,7 +194,10 @@ class ServerArgs:
         object.__setattr__(self, "lora_modules", normalize_lora_modules(self.lora_modules))
         if self.lora_target_modules is not None:
             object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules))
-        for name in ("max_file_bytes", "batch_max_requests", "batch_max_in_flight", "max_loras_per_batch"):
+        object.__setattr__(self, "allowed_media_domains", tuple(d.lower() for d in self.allowed_media_domains))
+        names = ("max_file_bytes", "batch_max_requests", "batch_max_in_flight", "max_loras_per_batch")
+        names += ("max_image_bytes", "max_image_pixels", "max_images_per_request")
+        for name in names:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -523,6 +533,28 @@ class ServerArgs:
             help="adapters kept in host memory; past it the least recently used is dropped and read from its folder "
             "again when needed (default: 4 x --max-loras-per-batch)",
         )
+        media = parser.add_argument_group("Images", "image_url content parts for vision-language models")
+        media.add_argument(
+            "--allowed-local-media-path",
+            default=None,
+            help="file:// image URLs (and plain paths) are read only under this folder (default: refused)",
+        )
+        media.add_argument(
+            "--allowed-media-domains",
+            nargs="+",
+            default=(),
+            metavar="HOST",
+            help="http(s) image URLs are fetched only from these hosts; * for any (default: refused)",
+        )
+        media.add_argument("--max-image-bytes", type=_positive_int, default=defaults.max_image_bytes)
+        media.add_argument(
+            "--max-image-pixels",
+            type=_positive_int,
+            default=defaults.max_image_pixels,
+            help="largest width x height of an image",
+        )
+        media.add_argument("--max-images-per-request", type=_positive_int, default=defaults.max_images_per_request)
+        media.add_argument("--media-fetch-timeout", type=float, default=defaults.media_fetch_timeout)
         batch = parser.add_argument_group("Batch API", "OpenAI's /v1/files and /v1/batches (docs/batch.md)")
         batch.add_argument(
             "--data-dir",

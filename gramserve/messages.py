@@ -27,6 +27,16 @@ class GrammarRequest:
     start_after: str = ""
 
 
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a prompt, processed in the main process (multimodal/processors.py)."""
+
+    pixels: Any  # numpy float32 [C, S, S], normalised as the vision tower expects
+    digest: int  # 64 bits of the pixels' SHA-256: the vision-feature cache key (its placeholders carry it too)
+    offset: int  # its first placeholder token in input_ids
+    length: int  # its placeholder tokens
+
+
 @dataclass
 class TokenizedGenerateReq:
     rid: str
@@ -37,6 +47,7 @@ class TokenizedGenerateReq:
     grammar: GrammarRequest | None = None
     priority: int = 0  # lower runs first
     lora_id: int = 0  # the LoRA adapter (ids from the main process's registry); 0: the base model
+    images: tuple[ImageInput, ...] = ()  # the prompt's images, in order (vision-language models)
 
 
 @dataclass

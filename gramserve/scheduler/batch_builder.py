@@ -8,6 +8,7 @@ import torch
 
 from gramserve.model.forward_batch import ForwardBatch, ForwardMode
 from gramserve.model.lora.batch import LoRABatch, make_lora_batch
+from gramserve.scheduler.image_encoder import ImageEncoder
 from gramserve.scheduler.kv_accounting import KvAccounting
 from gramserve.scheduler.request import Req
 
@@ -27,9 +28,17 @@ class _DecodeRows:
 class BatchBuilder:
     """Builds each step's ForwardBatch; a steady decode step reuses the last one's device rows."""
 
-    def __init__(self, kv: KvAccounting, device: torch.device, last_tokens: torch.Tensor, lora: bool = False):
+    def __init__(
+        self,
+        kv: KvAccounting,
+        device: torch.device,
+        last_tokens: torch.Tensor,
+        lora: bool = False,
+        images: ImageEncoder | None = None,
+    ):
         self.kv = kv
         self.lora = lora  # LoRA on: batches carry their adapter segments
+        self.images = images  # a vision-language model: prefill batches carry their images' features
         self.req_pool = kv.req_pool
         self.device = device
         # The last sampled token of each request row (written by sampling): a decode step's input ids.
@@ -39,6 +48,7 @@ class BatchBuilder:
     def prefill(self, picked: list[tuple[Req, int]]) -> ForwardBatch:
         """Extend each picked request by its number of new tokens (its next prompt chunk, or its whole rest)."""
         slots = self.kv.alloc(sum(n for _, n in picked))
+        embeds = self.images.embeds(picked) if self.images is not None else None  # before kv_len moves on
         ids, positions, rows, prefix_lens, new_lens = [], [], [], [], []
         offset = 0
         for req, n in picked:
@@ -63,6 +73,7 @@ class BatchBuilder:
         )
         if self.lora:
             batch.lora = make_lora_batch([r.lora_slot for r, _ in picked], self.device, new_lens)
+        batch.input_embeds = embeds
         return batch
 
     def decode(self, reqs: list[Req]) -> ForwardBatch:

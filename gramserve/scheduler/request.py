@@ -23,6 +23,7 @@ class Req:
         self.priority = msg.priority
         self.lora_id = msg.lora_id  # 0: the base model; also the request's prefix-cache namespace
         self.lora_slot = -1  # the adapter's device pool slot while the request holds KV (admission sets it)
+        self.images = msg.images  # the prompt's images (their placeholders are in input_ids)
         self.arrival = time.monotonic()
         self.req_pool_idx: int | None = None
         self.kv_len = 0  # tokens whose K/V are in the KV cache (matched prefix + computed)

@@ -30,6 +30,7 @@ from gramserve.sampling.sampler import PendingSample, Sampler, SampleResult
 from gramserve.scheduler.admission import Admission
 from gramserve.scheduler.batch_builder import BatchBuilder
 from gramserve.scheduler.grammar_client import GrammarClient
+from gramserve.scheduler.image_encoder import ImageEncoder
 from gramserve.scheduler.kv_accounting import KvAccounting
 from gramserve.scheduler.lora_slots import LoRASlots
 from gramserve.scheduler.memory import ReqToTokenPool, TokenSlotAllocator
@@ -135,7 +136,9 @@ class Scheduler:
             self.stats,
             self.lora,
         )
-        self.batches = BatchBuilder(self.kv, self.device, self.last_tokens, lora=self.lora is not None)
+        encoder = ImageEncoder(self.runner.model, self.device) if self.runner.config.vision is not None else None
+        self.images = encoder
+        self.batches = BatchBuilder(self.kv, self.device, self.last_tokens, lora=self.lora is not None, images=encoder)
         self.running: list[Req] = []
         self.finished_early: list[Req] = []  # rejected before running; reported by the next step
         self._prefills_in_a_row = 0  # prefill steps since the last decode step
@@ -533,6 +536,8 @@ class Scheduler:
         report = self._server_info()
         if self.lora is not None:
             report["lora"] = self.lora.report()
+        if self.images is not None:
+            report["images"] = dict(self.images.counters, cached=len(self.images.cache))
         return report
 
     def _server_info(self) -> dict:

@@ -74,7 +74,7 @@ def _on_internal(exc: Exception) -> JSONResponse:
 
 ERROR_HANDLERS: dict[type[Exception], Callable[..., JSONResponse]] = {
     RequestValidationError: _on_validation,
-    InvalidRequestError: lambda exc: error_response(400, str(exc), param=exc.param),
+    InvalidRequestError: lambda exc: error_response(exc.status, str(exc), param=exc.param),
     SamplingParamsError: lambda exc: error_response(400, str(exc), param=exc.param),
     ModelNotServedError: lambda exc: error_response(404, str(exc), param="model", code="model_not_found"),
     StarletteHTTPException: _on_http,

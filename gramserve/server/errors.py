@@ -4,11 +4,12 @@ from __future__ import annotations
 
 
 class InvalidRequestError(ValueError):
-    """A request the client must fix; becomes a 400."""
+    """A request the client must fix; becomes a 400 (or `status`: 403 for what the operator did not allow)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.param = param
+        self.status = status
 
 
 class ModelNotServedError(Exception):

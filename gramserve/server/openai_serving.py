@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable
 
 from gramserve.config import ServerConfig
-from gramserve.messages import GrammarRequest, TokenLogprob
+from gramserve.messages import GrammarRequest, ImageInput, TokenLogprob
+from gramserve.multimodal.images import ImageError, read_image
 from gramserve.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from gramserve.parsers.tool_calls import get_tool_call_parser
 from gramserve.sampling.params import SamplingParams
@@ -54,9 +55,17 @@ class ChatSetup:
     reasoning_cls: type[ReasoningParser] | None
     template_kwargs: dict[str, Any]
     lora: str | None = None  # the LoRA adapter the request names
+    images: tuple[ImageInput, ...] = ()  # the prompt's images (vision-language models)
 
     def reasoning(self) -> ReasoningParser | None:
         return self.reasoning_cls(self.template_kwargs) if self.reasoning_cls is not None else None
+
+
+def _has_images(req) -> bool:
+    messages = getattr(req, "messages", None) or []
+    return any(
+        not isinstance(m.content, str) and any(part.type == "image_url" for part in m.content or []) for m in messages
+    )
 
 
 @dataclass
@@ -91,7 +100,7 @@ class OpenAIServing:
         """Run a request's setup (checks, template, tokenization, grammar text). A small request's takes well under
         a millisecond and runs here; a large body's runs on the prep threads, so it cannot stall the event loop (and
         small requests do not pay a thread hop and the GIL hand-offs that come with it)."""
-        if body_bytes() > INLINE_PREP_BYTES:
+        if body_bytes() > INLINE_PREP_BYTES or _has_images(req):  # images: decoding, maybe fetching
             return await self.tm.off_loop(setup, req)
         return setup(req)
 
@@ -112,6 +121,7 @@ class OpenAIServing:
         tools: ToolPlan | None = None,
         watch_calls: Callable[[], ChoiceStream] | None = None,
         lora: str | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> AsyncIterator[tuple[int, GenerateOutput]]:
         """Run n engine requests (prompt and params already checked) and yield (choice index, output) as they
         arrive. `whole`: the response is sent whole (not streamed), so a constrained output that fails the last
@@ -132,6 +142,7 @@ class OpenAIServing:
                 tools=tools,
                 watch_calls=watch_calls,
                 lora=lora,
+                images=images,
             )
             for i in range(n)
         ]
@@ -231,7 +242,15 @@ class OpenAIServing:
             # The model thinks first: the constraint applies from the end of its reasoning on.
             grammar = replace(grammar, start_after=self.reasoning_cls.end_marker)
         check_chat_messages(req)
-        messages, tools = render_messages(req.messages, plan, self.native_tools, get_tool_call_parser(self.tool_parser))
+        processor, urls = self.tm.images, []
+        messages, tools = render_messages(
+            req.messages,
+            plan,
+            self.native_tools,
+            get_tool_call_parser(self.tool_parser),
+            image_token=processor.image_token if processor is not None else None,
+            images=urls,
+        )
         if self.args.grammar_schema_in_prompt and grammar is not None and grammar.kind == "json_schema":
             messages = with_schema_in_prompt(messages, grammar.text)
         if tools is not None:
@@ -239,6 +258,9 @@ class OpenAIServing:
         input_ids = self.tm.apply_chat_template(
             messages, req.add_generation_prompt, req.continue_final_message, **kwargs
         )
+        images: tuple[ImageInput, ...] = ()
+        if processor is not None:  # also without images: an image token typed in a text part is refused
+            input_ids, images = self._images(input_ids, urls)
         if plan is not None and plan.parses_calls and "skip_special_tokens" not in req.model_fields_set:
             # Call markers are special tokens in some tokenizers ([TOOL_CALLS], DeepSeek's, Kimi's): keep
             # them in the text the parser reads (the EOS that ends the answer is dropped anyway).
@@ -255,7 +277,19 @@ class OpenAIServing:
             reasoning_cls,
             dict(req.chat_template_kwargs or {}),
             lora,
+            images,
         )
+
+    def _images(self, input_ids: list[int], urls: list[str]) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """Read and process a chat's images (a prep thread: _prepare sends requests with images there)."""
+        limit = self.args.max_images_per_request
+        if len(urls) > limit:
+            raise InvalidRequestError(f"{len(urls)} images in one request; the limit is {limit}", "messages")
+        try:
+            pictures = [read_image(url, self.tm.image_limits) for url in urls]
+            return self.tm.images.expand(input_ids, pictures)
+        except ImageError as exc:
+            raise InvalidRequestError(str(exc), "messages", status=exc.status) from None
 
     def _chat_requests(self, setup: ChatSetup, req: P.ChatCompletionRequest, rid: str, is_disconnected, whole: bool):
         """The merged outputs of a chat request's n engine requests."""
@@ -272,6 +306,7 @@ class OpenAIServing:
             tools=setup.tools if setup.grammar_is_tools else None,
             watch_calls=(lambda: ChoiceStream(setup.tools, setup.reasoning())) if setup.tools is not None else None,
             lora=setup.lora,
+            images=setup.images,
         )
 
     async def chat(self, req: P.ChatCompletionRequest, is_disconnected) -> P.ChatCompletionResponse:

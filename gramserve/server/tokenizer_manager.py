@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -29,9 +30,14 @@ from gramserve.messages import (
     ControlResp,
     FinishReason,
     GrammarRequest,
+    ImageInput,
     TokenizedGenerateReq,
     TokenLogprob,
 )
+from gramserve.model.loader import load_config_dict, resolve_model
+from gramserve.model.model_config import ModelConfig
+from gramserve.multimodal.images import ImageLimits
+from gramserve.multimodal.processors import ImageProcessor, image_processor
 from gramserve.sampling.params import SamplingParams
 from gramserve.server.chat_output import ChoiceStream
 from gramserve.server.errors import (
@@ -80,6 +86,21 @@ class GenerateOutput:
         return self.finished.matched if self.finished is not None else None
 
 
+def _image_processor(config: ServerConfig, tokenizer, vocab_size: int) -> tuple[ImageProcessor | None, ImageLimits]:
+    """The model's image processor (None for a text model) and the operator's image limits."""
+    args = config.args
+    limits = ImageLimits(
+        args.max_image_bytes,
+        args.max_image_pixels,
+        args.allowed_local_media_path,
+        args.allowed_media_domains,
+        args.media_fetch_timeout,
+    )
+    path = resolve_model(args.model_path, args.load_format)[0]
+    model_cfg = ModelConfig.from_dict(load_config_dict(path))
+    return image_processor(model_cfg, path if os.path.isdir(path) else None, tokenizer, vocab_size), limits
+
+
 @dataclass
 class _ReqState:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -112,6 +133,7 @@ class TokenizerManager:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.output_checker = OutputChecker()
         self.lora = LoRARegistry(config, self.control)
+        self.images, self.image_limits = _image_processor(config, tokenizer, vocab_size)
         self.check_retries = config.args.grammar_check_retries
         self.request_timeout = config.args.request_timeout
         self._retry_of: dict[str, str] = {}  # a request's rid -> the rid of its retry now running (for abort)
@@ -216,8 +238,9 @@ class TokenizerManager:
         tools: ToolPlan | None = None,
         watch_calls: Callable[[], ChoiceStream] | None = None,
         lora: str | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> AsyncIterator[GenerateOutput]:
-        """Stream one request's outputs (of the LoRA adapter named `lora`, if any).
+        """Stream one request's outputs (of the LoRA adapter named `lora`, if any; `images`: the prompt's).
 
         With `retry_invalid` (a client that reads the whole response at once), a constrained output that fails the
         last check is sampled again, up to `--grammar-check-retries` times, before ``invalid_output`` is returned:
@@ -237,6 +260,7 @@ class TokenizerManager:
         watch = RequestWatch(self.metrics, grammar.kind if grammar else None) if measured else None
         lora_id = self.lora.acquire(lora)  # an unload waits for this request
         args = (return_logprob, top_logprobs, grammar, priority, is_disconnected, target, watch_calls, watch, lora_id)
+        args += (images,)
         try:
             if not (retry_invalid and self.check_retries > 0 and target is not None):
                 async for out in self._attempt(rid, input_ids, sampling, *args):
@@ -289,6 +313,7 @@ class TokenizerManager:
         watch_calls: Callable[[], ChoiceStream] | None,
         watch: RequestWatch | None,
         lora_id: int = 0,
+        images: tuple[ImageInput, ...] = (),
     ) -> AsyncIterator[GenerateOutput]:
         """One engine request: send it, stream its outputs, check a constrained output at its end."""
         self.start()
@@ -300,7 +325,9 @@ class TokenizerManager:
         state = _ReqState()
         self.states[rid] = state
         self.to_scheduler.send_pyobj(
-            TokenizedGenerateReq(rid, input_ids, sampling, return_logprob, top_logprobs, grammar, priority, lora_id)
+            TokenizedGenerateReq(
+                rid, input_ids, sampling, return_logprob, top_logprobs, grammar, priority, lora_id, images
+            )
         )
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_CHECK_S

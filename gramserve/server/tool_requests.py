@@ -103,29 +103,49 @@ def _call_dict(call: P.ToolCallSpec) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
 
 
-def _text(content: Any) -> str:
+def _text(content: Any, images: list[str] | None = None, image_token: str | None = None) -> str:
+    """A message's content as text. An image_url part (a vision-language model: `image_token` given) becomes
+    `image_token`, its URL appended to `images`."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     parts = []
     for part in content:
-        if part.type != "text":
+        if part.type == "image_url" and image_token is not None and images is not None:
+            images.append(_image_url(part))
+            parts.append(image_token)
+        elif part.type == "text":
+            parts.append(part.text or "")
+        else:
             raise InvalidRequestError(f"content part type {part.type!r} is not supported by this model", "messages")
-        parts.append(part.text or "")
     return "".join(parts)
 
 
+def _image_url(part: Any) -> str:
+    spec = getattr(part, "image_url", None)
+    url = spec.get("url") if isinstance(spec, dict) else spec
+    if not isinstance(url, str) or not url:
+        raise InvalidRequestError('an image_url part needs "image_url": {"url": ...}', "messages")
+    return url
+
+
 def render_messages(
-    messages: list[P.ChatMessage], plan: ToolPlan | None, native_tools: bool, parser_cls: type[ToolCallParser]
+    messages: list[P.ChatMessage],
+    plan: ToolPlan | None,
+    native_tools: bool,
+    parser_cls: type[ToolCallParser],
+    image_token: str | None = None,
+    images: list[str] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """(messages for the template, `tools=` for the template or None)."""
+    """(messages for the template, `tools=` for the template or None). With `image_token` (a vision-language
+    model), image parts are written as that token and their URLs appended to `images`, in order."""
     out: list[dict[str, Any]] = []
     parser = plan.new_parser() if plan is not None else parser_cls([])
     for m in messages:
         d = m.model_dump(exclude_none=True, exclude={"tool_calls", "content"})
         d["role"] = _TEMPLATE_ROLES.get(m.role, m.role)
-        d["content"] = _text(m.content)
+        d["content"] = _text(m.content, images, image_token)
         if m.tool_calls:
             calls = [_call_dict(c) for c in m.tool_calls]
             if native_tools:

@@ -1,0 +1,61 @@
+"""The vision features of prefilling requests' images: computed by the model's vision tower when a prompt chunk
+first reaches an image, and kept by image digest (LRU), so a repeated image is not encoded again even when the
+prefix cache cannot serve it (another text before it)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from gramserve.messages import ImageInput
+from gramserve.scheduler.request import Req
+
+
+class ImageEncoder:
+    def __init__(self, model, device: torch.device, capacity: int = 64):
+        self.model = model  # has encode_images(pixels [N, C, S, S]) -> [N, tokens, hidden]
+        self.device = device
+        self.capacity = capacity
+        self.cache: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.counters = {"images_encoded": 0, "image_cache_hits": 0}
+
+    def embeds(self, picked: list[tuple[Req, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """ForwardBatch.input_embeds of a prefill batch: (rows of its new tokens, their features), for the image
+        placeholders among each request's next `n` tokens (from its kv_len on). None: no image in the batch."""
+        spans = []  # (image, batch row of its first placeholder in this chunk, its first placeholder index, count)
+        row = 0
+        for req, n in picked:
+            start = req.kv_len
+            for image in req.images:
+                lo, hi = max(start, image.offset), min(start + n, image.offset + image.length)
+                if lo < hi:
+                    spans.append((image, row + lo - start, lo - image.offset, hi - lo))
+            row += n
+        if not spans:
+            return None
+        features = self._features([image for image, *_ in spans])
+        rows = torch.cat([torch.arange(r, r + count) for _, r, _, count in spans])
+        embeds = torch.cat([features[image.digest][first : first + count] for image, _, first, count in spans])
+        return rows.to(self.device, non_blocking=True), embeds
+
+    def _features(self, images: list[ImageInput]) -> dict[int, torch.Tensor]:
+        out, missing = {}, {}
+        for image in images:
+            cached = self.cache.get(image.digest)
+            if cached is not None:
+                self.cache.move_to_end(image.digest)
+                out[image.digest] = cached
+                self.counters["image_cache_hits"] += 1
+            else:
+                missing[image.digest] = image
+        if missing:
+            pixels = torch.from_numpy(np.stack([image.pixels for image in missing.values()]))
+            encoded = self.model.encode_images(pixels.to(self.device, non_blocking=True))
+            for digest, features in zip(missing, encoded):
+                out[digest] = self.cache[digest] = features
+                self.counters["images_encoded"] += 1
+            while len(self.cache) > self.capacity:
+                self.cache.popitem(last=False)
+        return out

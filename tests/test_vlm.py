@@ -1,0 +1,282 @@
+"""Images through the chat API: a tiny LLaVA (random weights, the default tokenizer plus an `<image>` token) served
+by a real server, spoken to with the openai SDK's image content parts.
+
+Checked against HF transformers (its CLIP image processor, and LlavaForConditionalGeneration's greedy output for
+the same prompt and pixels), plus the caches (prefix cache and vision features), structured outputs and tools over
+an image, and the bad inputs: each a clear 400 / 403, the server unharmed.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+
+import httpx
+import jsonschema
+import numpy as np
+import openai
+import pytest
+import torch
+from conftest import start_server
+
+PIL = pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+TOKENS_PER_IMAGE = 16  # (56 / 14) ** 2
+
+
+def make_tiny_llava(out: str) -> int:
+    """A LLaVA checkpoint of random weights in `out` (HF format, with its tokenizer). Returns the image token id."""
+    from transformers import AutoTokenizer, CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from gramserve.model.loader import default_tokenizer_dir
+
+    tok = AutoTokenizer.from_pretrained(default_tokenizer_dir())
+    tok.add_tokens(["<image>"], special_tokens=True)
+    image_id = tok.convert_tokens_to_ids("<image>")
+    text = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+    )  # fmt: skip
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=56,
+        patch_size=14, projection_dim=32,
+    )  # fmt: skip
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_id)
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # HF initialises biases to zero and norms to one: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return image_id
+
+
+def picture(w: int, h: int, seed: int) -> Image.Image:
+    return Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype(np.uint8))
+
+
+def data_url(image: Image.Image, fmt: str = "PNG") -> str:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    mime = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}[fmt]
+    return f"data:{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm")
+    model_dir = str(root / "model")
+    image_id = make_tiny_llava(model_dir)
+    allowed = root / "allowed"
+    allowed.mkdir()
+    picture(64, 48, 7).save(allowed / "inside.png")
+    picture(64, 48, 7).save(root / "outside.png")
+    srv = start_server(
+        str(root),
+        "--model",
+        model_dir,
+        "--allowed-local-media-path",
+        str(allowed),
+        "--max-images-per-request",
+        "3",
+        "--max-image-pixels",
+        "1000000",
+    )
+    srv.model_dir, srv.image_id, srv.root = model_dir, image_id, root
+    yield srv
+    assert srv.stop() == 0, srv.log()[-3000:]
+
+
+def client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def test_image_processor_matches_hf_clip():
+    from transformers import CLIPImageProcessor
+
+    from gramserve.multimodal.processors import CLIP_MEAN, CLIP_STD, ClipImageProcessor
+
+    ours = ClipImageProcessor(56, 56, CLIP_MEAN, CLIP_STD)
+    ref = CLIPImageProcessor(size={"shortest_edge": 56}, crop_size={"height": 56, "width": 56})
+    for w, h in [(80, 60), (60, 80), (56, 56), (201, 300), (90, 37)]:
+        image = picture(w, h, seed=w)
+        want = ref(images=image, return_tensors="np")["pixel_values"][0]
+        np.testing.assert_allclose(ours.pixels(image), want, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_chat_with_images_matches_hf(vlm):
+    """Two images and text in one message: the same greedy text as HF's LlavaForConditionalGeneration.generate on
+    the same prompt and pixels (the first in one turn, then both in a second message)."""
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration
+
+    from gramserve.multimodal.processors import CLIP_MEAN, CLIP_STD, ClipImageProcessor
+
+    images = [picture(80, 60, 1), picture(50, 90, 2)]
+    content = [
+        {"type": "text", "text": "Compare "},
+        image_part(data_url(images[0])),
+        {"type": "text", "text": " with "},
+        image_part(data_url(images[1], "JPEG")),
+    ]
+    r = client(vlm).chat.completions.create(
+        model="default", messages=[{"role": "user", "content": content}], max_tokens=10, temperature=0
+    )
+    got = r.choices[0].message.content
+    assert r.usage.prompt_tokens > 2 * TOKENS_PER_IMAGE
+
+    tok = AutoTokenizer.from_pretrained(vlm.model_dir)
+    hf = LlavaForConditionalGeneration.from_pretrained(vlm.model_dir).eval()
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Compare <image> with <image>"}], add_generation_prompt=True, tokenize=True
+    )
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    expanded = []
+    for t in ids:
+        expanded += [t] * TOKENS_PER_IMAGE if t == vlm.image_id else [t]
+    assert len(expanded) == r.usage.prompt_tokens
+    clip = ClipImageProcessor(56, 56, CLIP_MEAN, CLIP_STD)
+    decoded = [Image.open(io.BytesIO(base64.b64decode(p["image_url"]["url"].split(",")[1]))) for p in content[1::2]]
+    pixels = torch.from_numpy(np.stack([clip.pixels(im.convert("RGB")) for im in decoded]))
+    out = hf.generate(input_ids=torch.tensor([expanded]), pixel_values=pixels, max_new_tokens=10, do_sample=False)
+    assert got == tok.decode(out[0, len(expanded) :], skip_special_tokens=True)
+
+
+def test_a_repeated_image_is_not_encoded_again(vlm):
+    c = client(vlm)
+    url = data_url(picture(70, 70, 3))
+
+    def ask(text: str):
+        msg = [{"role": "user", "content": [{"type": "text", "text": text}, image_part(url)]}]
+        return c.chat.completions.create(model="default", messages=msg, max_tokens=3, temperature=0)
+
+    def counters() -> dict:
+        return httpx.get(vlm.base_url + "/get_server_info").json()["images"]
+
+    first = ask("Describe this picture:")
+    before = counters()
+    again = ask("Describe this picture:")  # the prefix cache holds the image's KV
+    assert again.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
+    assert again.choices[0].message.content == first.choices[0].message.content
+    other = ask("What colour dominates here?")  # another text before it: the features come from their cache
+    after = counters()
+    assert other.usage.prompt_tokens_details.cached_tokens < other.usage.prompt_tokens - TOKENS_PER_IMAGE
+    assert after["images_encoded"] == before["images_encoded"]
+    assert after["image_cache_hits"] > before["image_cache_hits"]
+    # a different image behind the same text is not served from the cache
+    msg = [{"role": "user", "content": [{"type": "text", "text": "Describe this picture:"}]}]
+    msg[0]["content"].append(image_part(data_url(picture(70, 70, 4))))
+    diff = c.chat.completions.create(model="default", messages=msg, max_tokens=3, temperature=0)
+    assert diff.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens - TOKENS_PER_IMAGE + 1
+    assert counters()["images_encoded"] == after["images_encoded"] + 1
+
+
+RECEIPT = {
+    "type": "object",
+    "properties": {
+        "merchant": {"type": "string", "maxLength": 30},
+        "total": {"type": "number", "minimum": 0},
+        "currency": {"enum": ["USD", "EUR", "GBP"]},
+        "items": {"type": "array", "maxItems": 3, "items": {"type": "string", "maxLength": 20}},
+    },
+    "required": ["merchant", "total", "currency"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_and_tools_over_an_image(vlm):
+    c = client(vlm)
+    content = [
+        {"type": "text", "text": "Extract the fields of this receipt."},
+        image_part(data_url(picture(90, 120, 5))),
+    ]
+    for seed in range(3):  # random weights at temperature 1: whatever path the grammar allows, the output is valid
+        r = c.chat.completions.create(
+            model="default",
+            messages=[{"role": "user", "content": content}],
+            response_format={"type": "json_schema", "json_schema": {"name": "receipt", "schema": RECEIPT}},
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+        )
+        if r.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(r.choices[0].message.content), RECEIPT)
+    tool = {"type": "function", "function": {"name": "save_receipt", "parameters": RECEIPT}}
+    r = c.chat.completions.create(
+        model="default",
+        messages=[{"role": "user", "content": content}],
+        tools=[tool],
+        tool_choice="required",
+        max_tokens=200,
+        temperature=1.0,
+        seed=11,
+    )
+    calls = r.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "save_receipt"
+    if r.choices[0].finish_reason == "tool_calls":
+        jsonschema.validate(json.loads(calls[0].function.arguments), RECEIPT)
+
+
+def test_streamed_and_local_file_images(vlm):
+    c = client(vlm)
+    inside = "file://" + os.path.join(vlm.root, "allowed", "inside.png")
+    msg = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, image_part(inside)]}]
+    stream = c.chat.completions.create(model="default", messages=msg, max_tokens=5, temperature=0, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    same = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, image_part(data_url(picture(64, 48, 7)))]}]
+    whole = c.chat.completions.create(model="default", messages=same, max_tokens=5, temperature=0)
+    assert text == whole.choices[0].message.content  # the file's pixels are the data URL's
+
+
+def _error(srv, content, status: int) -> str:
+    body = {"model": "default", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    r = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    return r.json()["error"]["message"]
+
+
+def test_bad_images_get_clear_errors(vlm):
+    text = {"type": "text", "text": "What is this?"}
+    b64 = base64.b64encode
+    assert "base64" in _error(vlm, [text, image_part("data:image/png;base64,@@@not base64@@@")], 400)
+    assert "could not be read" in _error(
+        vlm, [text, image_part("data:image/png;base64," + b64(b"hello").decode())], 400
+    )
+    assert "must hold an image" in _error(vlm, [text, image_part("data:text/plain;base64,aGVsbG8=")], 400)
+    png = data_url(picture(40, 40, 9))
+    raw = base64.b64decode(png.split(",")[1])
+    truncated = "data:image/png;base64," + b64(raw[: len(raw) // 2]).decode()  # the header whole, pixels cut
+    assert "corrupt" in _error(vlm, [text, image_part(truncated)], 400)
+    assert "pixels" in _error(vlm, [text, image_part(data_url(Image.new("RGB", (1200, 1000))))], 400)
+    assert "--allowed-media-domains" in _error(vlm, [text, image_part("http://127.0.0.1:1/x.png")], 403)
+    outside = "file://" + os.path.join(vlm.root, "outside.png")
+    assert "outside the allowed folder" in _error(vlm, [text, image_part(outside)], 403)
+    assert "could not be read" in _error(
+        vlm, [text, image_part("file://" + os.path.join(vlm.root, "allowed", "no.png"))], 400
+    )
+    assert "limit is 3" in _error(vlm, [text] + [image_part(png)] * 4, 400)
+    assert "image tokens" in _error(vlm, [{"type": "text", "text": "a <image> typed in text"}], 400)
+    assert "url" in _error(vlm, [text, {"type": "image_url", "image_url": {}}], 400)
+    assert "not supported" in _error(vlm, [text, {"type": "input_audio", "input_audio": {"data": ""}}], 400)
+    # the server is unharmed
+    r = client(vlm).chat.completions.create(
+        model="default", messages=[{"role": "user", "content": [text, image_part(png)]}], max_tokens=2
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_text_model_refuses_images(base_url):
+    content = [{"type": "text", "text": "What is this?"}, image_part(data_url(picture(20, 20, 1)))]
+    body = {"model": "default", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]
