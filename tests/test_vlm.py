@@ -280,3 +280,24 @@ def test_a_text_model_refuses_images(base_url):
     body = {"model": "default", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
     r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]
+
+
+def test_chunked_prefill_through_images(vlm, tmp_path):
+    """Prompt chunks of 8 tokens cut through each image's 16 placeholders: the same output as one prefill. Also:
+    the warm-up ran an image request."""
+    assert "image " in [line for line in vlm.log().splitlines() if "warm-up done" in line][0]
+    content = [
+        {"type": "text", "text": "Compare "},
+        image_part(data_url(picture(80, 60, 1))),
+        {"type": "text", "text": " with "},
+        image_part(data_url(picture(50, 90, 2))),
+    ]
+    msg = [{"role": "user", "content": content}]
+    want = client(vlm).chat.completions.create(model="default", messages=msg, max_tokens=8, temperature=0)
+    srv = start_server(str(tmp_path), "--model", vlm.model_dir, "--chunked-prefill-size", "8", "--skip-warmup")
+    try:
+        got = client(srv).chat.completions.create(model="default", messages=msg, max_tokens=8, temperature=0)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]

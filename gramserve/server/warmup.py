@@ -4,8 +4,9 @@ caches filled and lazy initializations done before the first user request rather
 
 The cases cover prefill (short, over a cached prefix, a chunked long prompt), decode at several batch sizes, every
 sampling path (greedy, top-k / top-p, seeded, penalties and bias, logprobs), grammar masks (a JSON schema, a
-regex) and, with LoRA adapters, an adapter's requests. While they run /health and new requests answer 503 "warming
-up"; the log shows a progress bar and what each case took. `--skip-warmup` turns it off.
+regex), with LoRA adapters an adapter's requests, with a vision-language model requests with an image. While they
+run /health and new requests answer 503 "warming up"; the log shows a progress bar and what each case took.
+`--skip-warmup` turns it off.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class WarmupCase:
     top_logprobs: int = 0
     prompt_offset: int = 0  # where in the warm-up text the prompt starts (0: shares the other prompts' prefix)
     lora: str | None = None  # a LoRA adapter's name
+    image: bool = False  # a vision-language model: the prompt holds an image (the vision tower's kernels)
 
 
 def warmup_cases(device: str, context_length: int, chunk: int, max_running: int) -> list[WarmupCase]:
@@ -113,6 +115,12 @@ def _prompt(tm, tokens: int, offset: int) -> list[int]:
 
 async def _run_case(tm, case: WarmupCase, index: int) -> None:
     ids = _prompt(tm, case.prompt_tokens, case.prompt_offset)
+    images = ()
+    if case.image:
+        from PIL import Image
+
+        gradient = Image.linear_gradient("L").convert("RGB").resize((64, 48))
+        ids, images = tm.images.expand(ids[:4] + [tm.images.image_token_id] + ids[4:], [gradient])
 
     async def one(copy: int) -> None:
         rid = f"{WARMUP_RID_PREFIX}{index}-{copy}"
@@ -125,6 +133,7 @@ async def _run_case(tm, case: WarmupCase, index: int) -> None:
             top_logprobs=case.top_logprobs,
             grammar=case.grammar,
             lora=case.lora,
+            images=images,
         ):
             pass
 
@@ -165,6 +174,9 @@ async def warm_up_server(config, tm, runner_info: dict) -> None:
     if tm.lora.names:  # the adapters' kernels: a batch of an adapter and the base model
         greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
         cases.append(WarmupCase("LoRA adapter", 24, greedy, copies=2, prompt_offset=5, lora=tm.lora.names[0]))
+    if tm.images is not None:  # the vision tower, and a prefill that splices its features
+        greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        cases.append(WarmupCase("image", 16, greedy, copies=2, prompt_offset=7, image=True))
     try:
         await warm_up(tm, cases)
     finally:
