@@ -31,10 +31,12 @@ class GrammarRequest:
 class ImageInput:
     """One image of a prompt, processed in the main process (multimodal/processors.py)."""
 
-    pixels: Any  # numpy float32 [C, S, S], normalised as the vision tower expects
+    pixels: Any  # numpy uint8 [S, S, C], resized and cropped (a quarter of the bytes of normalised floats)
     digest: int  # 64 bits of the pixels' SHA-256: the vision-feature cache key (its placeholders carry it too)
     offset: int  # its first placeholder token in input_ids
     length: int  # its placeholder tokens
+    normalization: tuple = (1 / 255, (0.0,), (1.0,))  # (rescale, mean, std): the vision tower's input is
+    # (pixels * rescale - mean) / std per channel, computed by the scheduler on its device
 
 
 @dataclass

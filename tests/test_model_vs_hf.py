@@ -40,13 +40,14 @@ class Harness:
             self.pool.write(row, prefix, slots)
             locs.append(slots)
             positions.append(torch.arange(prefix, prefix + len(ids)))
+        dev = self.runner.device
         batch = ForwardBatch(
             ForwardMode.EXTEND,
-            torch.tensor(sum(new_ids, [])),
-            torch.cat(positions),
+            torch.tensor(sum(new_ids, []), device=dev),
+            torch.cat(positions).to(dev),
             torch.cat(locs),
-            torch.tensor(rows),
-            torch.tensor([p + len(i) for p, i in zip(prefix_lens, new_ids)]),
+            torch.tensor(rows, device=dev),
+            torch.tensor([p + len(i) for p, i in zip(prefix_lens, new_ids)], device=dev),
             [p + len(i) for p, i in zip(prefix_lens, new_ids)],
             prefix_lens,
             [len(i) for i in new_ids],

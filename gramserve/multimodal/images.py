@@ -37,11 +37,15 @@ class ImageLimits:
     fetch_timeout: float = 10.0
 
 
-def read_image(url: str, limits: ImageLimits):
-    """The RGB PIL image an image_url names."""
+def image_bytes(url: str, limits: ImageLimits) -> bytes:
+    """The encoded image an image_url names (data: URL, allowed file or allowed host)."""
+    return _image_bytes(url.strip(), limits)
+
+
+def decode_image(data: bytes, limits: ImageLimits):
+    """Encoded image bytes -> an RGB PIL image, within the pixel limit."""
     from PIL import Image
 
-    data = _image_bytes(url.strip(), limits)
     if len(data) > limits.max_bytes:
         raise ImageError(f"image of {len(data)} bytes is larger than the limit ({limits.max_bytes} bytes)")
     Image.MAX_IMAGE_PIXELS = None  # our own limit below, with our own message

@@ -12,14 +12,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
 from gramserve.messages import ImageInput
 from gramserve.model.model_config import ModelConfig
-from gramserve.multimodal.images import ImageError
+from gramserve.multimodal.images import ImageError, ImageLimits, decode_image, image_bytes
 
+RECENT_IMAGES = 64  # processed images kept by their bytes' hash in the main process
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -54,7 +57,11 @@ class ClipImageProcessor:
         )
 
     def pixels(self, image) -> np.ndarray:
-        """An RGB PIL image -> float32 [3, crop, crop]."""
+        """An RGB PIL image -> float32 [3, crop, crop], normalised (what HF's CLIPImageProcessor gives)."""
+        return normalize(self.resized(image), self.rescale, self.mean, self.std)
+
+    def resized(self, image) -> np.ndarray:
+        """An RGB PIL image -> uint8 [crop, crop, 3]: resized and cropped, not yet normalised."""
         from PIL import Image
 
         w, h = image.size
@@ -66,9 +73,18 @@ class ClipImageProcessor:
         image = image.resize(size, Image.Resampling.BICUBIC)
         left, top = (size[0] - self.crop) // 2, (size[1] - self.crop) // 2
         image = image.crop((left, top, left + self.crop, top + self.crop))
-        array = np.asarray(image, dtype=np.float32) * self.rescale
-        array = (array - np.array(self.mean, dtype=np.float32)) / np.array(self.std, dtype=np.float32)
-        return np.ascontiguousarray(array.transpose(2, 0, 1))
+        return np.asarray(image, dtype=np.uint8)
+
+    @property
+    def normalization(self) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
+        return (self.rescale, self.mean, self.std)
+
+
+def normalize(pixels: np.ndarray, rescale: float, mean, std) -> np.ndarray:
+    """uint8 [S, S, 3] -> float32 [3, S, S]: (pixels * rescale - mean) / std per channel."""
+    array = pixels.astype(np.float32) * rescale
+    array = (array - np.array(mean, dtype=np.float32)) / np.array(std, dtype=np.float32)
+    return np.ascontiguousarray(array.transpose(2, 0, 1))
 
 
 class ImageProcessor:
@@ -81,9 +97,30 @@ class ImageProcessor:
         self.tokens_per_image = cfg.vision.tokens_per_image
         self.vocab_size = vocab_size
         self.pixel_processor = PIXEL_PROCESSORS[cfg.architecture].for_model(cfg, model_dir)
+        self._recent: OrderedDict[bytes, tuple[np.ndarray, int]] = OrderedDict()
+        self._lock = threading.Lock()  # load runs on the prep threads
+
+    def load(self, url: str, limits: ImageLimits) -> tuple[np.ndarray, int]:
+        """An image_url -> (uint8 pixels [S, S, 3], digest). The last images' results are kept by their encoded
+        bytes' hash: a repeated image is not decoded and resized again."""
+        data = image_bytes(url, limits)
+        key = hashlib.sha256(data).digest()
+        with self._lock:
+            hit = self._recent.get(key)
+            if hit is not None:
+                self._recent.move_to_end(key)
+                return hit
+        pixels = self.pixel_processor.resized(decode_image(data, limits))
+        digest = int.from_bytes(hashlib.sha256(pixels.tobytes()).digest()[:8], "little")
+        with self._lock:
+            self._recent[key] = (pixels, digest)
+            while len(self._recent) > RECENT_IMAGES:
+                self._recent.popitem(last=False)
+        return pixels, digest
 
     def expand(self, input_ids: list[int], images: list) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """input_ids with each image token widened to its image's placeholders, and the images' inputs."""
+        """input_ids with each image token widened to its image's placeholders, and the images' inputs. `images`:
+        PIL images, or (pixels, digest) pairs from `load`."""
         positions = [i for i, t in enumerate(input_ids) if t == self.image_token_id]
         if len(positions) != len(images):
             raise ImageError(
@@ -93,11 +130,15 @@ class ImageProcessor:
         out: list[int] = []
         inputs = []
         last = 0
+        norm = self.pixel_processor.normalization
         for pos, image in zip(positions, images):
-            pixels = self.pixel_processor.pixels(image)
-            digest = int.from_bytes(hashlib.sha256(pixels.tobytes()).digest()[:8], "little")
+            if isinstance(image, tuple):
+                pixels, digest = image
+            else:
+                pixels = self.pixel_processor.resized(image)
+                digest = int.from_bytes(hashlib.sha256(pixels.tobytes()).digest()[:8], "little")
             out += input_ids[last:pos]
-            inputs.append(ImageInput(pixels, digest, len(out), self.tokens_per_image))
+            inputs.append(ImageInput(pixels, digest, len(out), self.tokens_per_image, norm))
             out += [(digest + i) % self.vocab_size for i in range(self.tokens_per_image)]
             last = pos + 1
         out += input_ids[last:]

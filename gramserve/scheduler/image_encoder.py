@@ -51,11 +51,18 @@ class ImageEncoder:
             else:
                 missing[image.digest] = image
         if missing:
-            pixels = torch.from_numpy(np.stack([image.pixels for image in missing.values()]))
-            encoded = self.model.encode_images(pixels.to(self.device, non_blocking=True))
+            encoded = self.model.encode_images(self._normalized(list(missing.values())))
             for digest, features in zip(missing, encoded):
                 out[digest] = self.cache[digest] = features
                 self.counters["images_encoded"] += 1
             while len(self.cache) > self.capacity:
                 self.cache.popitem(last=False)
         return out
+
+    def _normalized(self, images: list[ImageInput]) -> torch.Tensor:
+        """uint8 [S, S, C] pixels -> the tower's float input [N, C, S, S], normalised on the device."""
+        pixels = torch.from_numpy(np.stack([image.pixels for image in images])).to(self.device, non_blocking=True)
+        rescale, mean, std = images[0].normalization  # one model, one processor: the same for all
+        x = pixels.float() * rescale
+        x = (x - torch.tensor(mean, device=self.device)) / torch.tensor(std, device=self.device)
+        return x.permute(0, 3, 1, 2).contiguous()

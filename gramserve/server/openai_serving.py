@@ -11,7 +11,7 @@ from typing import Any, AsyncIterator, Callable
 
 from gramserve.config import ServerConfig
 from gramserve.messages import GrammarRequest, ImageInput, TokenLogprob
-from gramserve.multimodal.images import ImageError, read_image
+from gramserve.multimodal.images import ImageError
 from gramserve.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from gramserve.parsers.tool_calls import get_tool_call_parser
 from gramserve.sampling.params import SamplingParams
@@ -286,7 +286,7 @@ class OpenAIServing:
         if len(urls) > limit:
             raise InvalidRequestError(f"{len(urls)} images in one request; the limit is {limit}", "messages")
         try:
-            pictures = [read_image(url, self.tm.image_limits) for url in urls]
+            pictures = [self.tm.images.load(url, self.tm.image_limits) for url in urls]
             return self.tm.images.expand(input_ids, pictures)
         except ImageError as exc:
             raise InvalidRequestError(str(exc), "messages", status=exc.status) from None
