@@ -20,6 +20,7 @@ class ImageEncoder:
         self.capacity = capacity
         self.cache: OrderedDict[int, torch.Tensor] = OrderedDict()
         self.counters = {"images_encoded": 0, "image_cache_hits": 0}
+        self._norm: tuple[torch.Tensor, torch.Tensor] | None = None  # mean and std on the device
 
     def embeds(self, picked: list[tuple[Req, int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """ForwardBatch.input_embeds of a prefill batch: (rows of its new tokens, their features), for the image
@@ -61,8 +62,12 @@ class ImageEncoder:
 
     def _normalized(self, images: list[ImageInput]) -> torch.Tensor:
         """uint8 [S, S, C] pixels -> the tower's float input [N, C, S, S], normalised on the device."""
-        pixels = torch.from_numpy(np.stack([image.pixels for image in images])).to(self.device, non_blocking=True)
+        pixels = torch.from_numpy(np.stack([image.pixels for image in images]))
+        if self.device.type == "cuda":  # pinned: the copy does not wait for the kernels queued before it (overlap)
+            pixels = pixels.pin_memory()
+        pixels = pixels.to(self.device, non_blocking=True)
         rescale, mean, std = images[0].normalization  # one model, one processor: the same for all
-        x = pixels.float() * rescale
-        x = (x - torch.tensor(mean, device=self.device)) / torch.tensor(std, device=self.device)
+        if self._norm is None:
+            self._norm = (torch.tensor(mean, device=self.device), torch.tensor(std, device=self.device))
+        x = (pixels.float() * rescale - self._norm[0]) / self._norm[1]
         return x.permute(0, 3, 1, 2).contiguous()
