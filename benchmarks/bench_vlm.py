@@ -8,7 +8,8 @@ most c in flight:
 
 - *image*: a short question and one distinct random image (640 x 480 JPEG) each: vision tower + prefill;
 - *same image*: all with one image (features and the prefix cache serve the repeats);
-- *text of the same length*: the question and as many text tokens as an image's placeholders.
+- *text of the same length*: a distinct first sentence, the question and as many text tokens as an image's
+  placeholders (distinct prompts, as the distinct images are: the prefix cache serves neither).
 
 Each with `--output-len` tokens (`ignore_eos`, greedy). Reported: mean TTFT, TPOT, images/s (requests with an image
 over the run's wall time) and output tok/s.
@@ -149,12 +150,16 @@ def main() -> int:
         url = server.base_url
         question = {"type": "text", "text": "Extract every field of this document as JSON."}
         image_tokens = 576
-        filler = {"type": "text", "text": " the" * image_tokens}  # about one token each
+        filler = " the" * image_tokens  # about one token each
         seed = 0
         for c in args.concurrencies:
             n = max(2 * c, args.min_requests)
             runs = {
-                "text of the same length": [[question, filler] for _ in range(n)],
+                # distinct from its first token on, as distinct images are: no prefix-cache hits past the template
+                "text of the same length": [
+                    [{"type": "text", "text": f"Request {c}-{i}."}, question, {"type": "text", "text": filler}]
+                    for i in range(n)
+                ],
                 "image": [],
                 "same image": [[question, {"type": "image_url", "image_url": {"url": jpeg_url(99)}}]] * n,
             }
