@@ -91,6 +91,8 @@ def vlm(tmp_path_factory):
         "3",
         "--max-image-pixels",
         "1000000",
+        "--allowed-media-domains",
+        "127.0.0.1",
     )
     srv.model_dir, srv.image_id, srv.root = model_dir, image_id, root
     yield srv
@@ -238,6 +240,48 @@ def test_streamed_and_local_file_images(vlm):
     assert text == whole.choices[0].message.content  # the file's pixels are the data URL's
 
 
+def test_an_image_from_an_allowed_host(vlm):
+    """--allowed-media-domains 127.0.0.1: the image is fetched, and reads as the same pixels sent as a data URL; a
+    missing one is a clear error."""
+    import http.server
+    import threading
+
+    image = picture(64, 48, 12)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    body = buf.getvalue()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            if self.path == "/receipt.png":
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            else:
+                self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{httpd.server_address[1]}"
+        c = client(vlm)
+
+        def ask(url: str):
+            msg = [{"role": "user", "content": [{"type": "text", "text": "Read:"}, image_part(url)]}]
+            return c.chat.completions.create(model="default", messages=msg, max_tokens=5, temperature=0)
+
+        fetched = ask(base + "/receipt.png").choices[0].message.content
+        assert fetched == ask(data_url(image)).choices[0].message.content
+        assert "HTTP 404" in _error(vlm, [{"type": "text", "text": "x"}, image_part(base + "/missing.png")], 400)
+    finally:
+        httpd.shutdown()
+
+
 def _error(srv, content, status: int) -> str:
     body = {"model": "default", "messages": [{"role": "user", "content": content}], "max_tokens": 2}
     r = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=60)
@@ -258,7 +302,8 @@ def test_bad_images_get_clear_errors(vlm):
     truncated = "data:image/png;base64," + b64(raw[: len(raw) // 2]).decode()  # the header whole, pixels cut
     assert "corrupt" in _error(vlm, [text, image_part(truncated)], 400)
     assert "pixels" in _error(vlm, [text, image_part(data_url(Image.new("RGB", (1200, 1000))))], 400)
-    assert "--allowed-media-domains" in _error(vlm, [text, image_part("http://127.0.0.1:1/x.png")], 403)
+    assert "not in the allowed domains" in _error(vlm, [text, image_part("http://localhost:1/x.png")], 403)
+    assert "could not be fetched" in _error(vlm, [text, image_part("http://127.0.0.1:1/x.png")], 400)
     outside = "file://" + os.path.join(vlm.root, "outside.png")
     assert "outside the allowed folder" in _error(vlm, [text, image_part(outside)], 403)
     assert "could not be read" in _error(
