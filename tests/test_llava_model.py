@@ -79,3 +79,31 @@ def test_llava_matches_hf(tmp_path, strategy, feature_layer):
         length += 1
         got.append(int(step[0].argmax()))
     assert got == want.tolist()
+
+
+def test_a_published_llava_config_reads_with_its_text_defaults():
+    """llava-hf/llava-1.5-7b-hf's config.json names no sizes for its text model (LlamaConfig's defaults)."""
+    from gramserve.model.model_config import ModelConfig
+
+    published = {
+        "architectures": ["LlavaForConditionalGeneration"], "ignore_index": -100, "image_token_index": 32000,
+        "model_type": "llava", "pad_token_id": 32001, "projector_hidden_act": "gelu",
+        "text_config": {
+            "_name_or_path": "lmsys/vicuna-7b-v1.5", "architectures": ["LlamaForCausalLM"],
+            "max_position_embeddings": 4096, "model_type": "llama", "rms_norm_eps": 1e-05, "torch_dtype": "float16",
+            "vocab_size": 32064,
+        },
+        "tie_word_embeddings": False, "torch_dtype": "float16",
+        "vision_config": {
+            "hidden_size": 1024, "image_size": 336, "intermediate_size": 4096, "model_type": "clip_vision_model",
+            "num_attention_heads": 16, "num_hidden_layers": 24, "patch_size": 14, "projection_dim": 768,
+            "vocab_size": 32000,
+        },
+        "vision_feature_layer": -2, "vision_feature_select_strategy": "default", "vocab_size": 32064,
+    }  # fmt: skip
+    cfg = ModelConfig.from_dict(published)
+    shape = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.vocab_size)
+    assert shape == (4096, 11008, 32, 32, 32, 32064)
+    assert cfg.architecture == "LlavaForConditionalGeneration" and cfg.family == "llama"
+    v = cfg.vision
+    assert (v.tokens_per_image, v.layers_run, v.hidden_act, v.image_token_id) == (576, 23, "quick_gelu", 32000)

@@ -110,10 +110,15 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         vlm = next((a for a in archs if a in VLM_ARCHITECTURES), None)
         if vlm is not None:
-            text = dict(cfg["text_config"])
-            text_arch = TEXT_MODEL_TYPES.get(text.get("model_type", "llama"))
+            text = dict(cfg.get("text_config") or {})
+            model_type = text.pop("model_type", "llama")
+            text_arch = TEXT_MODEL_TYPES.get(model_type)
             if text_arch is None:
-                raise UnsupportedModelError(f"{vlm} with a {text.get('model_type')!r} text model is not supported")
+                raise UnsupportedModelError(f"{vlm} with a {model_type!r} text model is not supported")
+            # Checkpoints keep only what differs from the text model's defaults (llava-1.5-7b-hf names no sizes).
+            from transformers import AutoConfig
+
+            text = AutoConfig.for_model(model_type, **text).to_dict()
             text.setdefault("eos_token_id", cfg.get("eos_token_id"))
             text_cfg = cls.from_dict({**text, "architectures": [text_arch]})
             return replace(text_cfg, architecture=vlm, vision=VisionConfig.from_llava(cfg))
