@@ -346,3 +346,49 @@ def test_chunked_prefill_through_images(vlm, tmp_path):
         assert got.usage.prompt_tokens == want.usage.prompt_tokens
     finally:
         assert srv.stop() == 0, srv.log()[-3000:]
+
+
+LLAVA_15_TEMPLATE = (  # llava-hf/llava-1.5-7b-hf's: it reads content parts and writes the image tokens itself
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+@torch.inference_mode()
+def test_a_template_that_reads_content_parts(vlm, tmp_path):
+    """A LLaVA template iterates over content parts ({"type": "image"}): it gets them, and the prompt is the one
+    HF's template gives (the greedy text equals HF's generate on it)."""
+    import shutil
+
+    from transformers import AutoTokenizer, LlavaForConditionalGeneration
+
+    from gramserve.multimodal.processors import CLIP_MEAN, CLIP_STD, ClipImageProcessor
+
+    model_dir = str(tmp_path / "llava15")
+    shutil.copytree(vlm.model_dir, model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = LLAVA_15_TEMPLATE
+    tok.save_pretrained(model_dir)
+    if os.path.exists(os.path.join(model_dir, "chat_template.jinja")):
+        with open(os.path.join(model_dir, "chat_template.jinja"), "w") as f:
+            f.write(LLAVA_15_TEMPLATE)
+    image = picture(60, 80, 21)
+    srv = start_server(str(tmp_path), "--model", model_dir, "--skip-warmup")
+    try:
+        msg = [{"role": "user", "content": [{"type": "text", "text": "What is shown?"}, image_part(data_url(image))]}]
+        r = client(srv).chat.completions.create(model="default", messages=msg, max_tokens=8, temperature=0)
+    finally:
+        assert srv.stop() == 0, srv.log()[-3000:]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "What is shown?"}, {"type": "image"}]}]
+    text = tok.apply_chat_template(parts, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("USER: <image>\nWhat is shown?")
+    ids = []
+    for t in tok.encode(text, add_special_tokens=False):
+        ids += [t] * TOKENS_PER_IMAGE if t == vlm.image_id else [t]
+    assert r.usage.prompt_tokens == len(ids)
+    hf = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    pixels = torch.from_numpy(ClipImageProcessor(56, 56, CLIP_MEAN, CLIP_STD).pixels(image))[None]
+    out = hf.generate(input_ids=torch.tensor([ids]), pixel_values=pixels, max_new_tokens=8, do_sample=False)
+    assert r.choices[0].message.content == tok.decode(out[0, len(ids) :], skip_special_tokens=True)

@@ -31,7 +31,14 @@ from gramserve.server.sampling_request import openai_sampling_params
 from gramserve.server.streaming import prefetch_first, sse_stream
 from gramserve.server.structured_outputs import checked_backend, grammar_from_fields, with_schema_in_prompt
 from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
-from gramserve.server.tool_requests import ToolPlan, plan_tools, render_messages, template_supports_tools, tool_grammar
+from gramserve.server.tool_requests import (
+    ToolPlan,
+    plan_tools,
+    render_messages,
+    template_supports_tools,
+    template_takes_content_parts,
+    tool_grammar,
+)
 
 INLINE_PREP_BYTES = 64 * 1024  # request bodies up to this size are prepared on the event loop (see _prepare)
 
@@ -88,6 +95,8 @@ class OpenAIServing:
         if isinstance(chat_template, dict):  # several named templates (e.g. "default", "tool_use")
             chat_template = "\n".join(t for t in chat_template.values() if isinstance(t, str))
         self.native_tools = template_supports_tools(chat_template)
+        # a vision-language template that reads content parts gets them (it writes the image tokens itself)
+        self.content_parts = tm.images is not None and template_takes_content_parts(chat_template)
         self.tool_parser = config.launch.tool_call_parser  # checked by the launcher (resolve_parsers)
         self.reasoning_cls = get_reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
 
@@ -250,6 +259,7 @@ class OpenAIServing:
             get_tool_call_parser(self.tool_parser),
             image_token=processor.image_token if processor is not None else None,
             images=urls,
+            content_parts=self.content_parts,
         )
         if self.args.grammar_schema_in_prompt and grammar is not None and grammar.kind == "json_schema":
             messages = with_schema_in_prompt(messages, grammar.text)

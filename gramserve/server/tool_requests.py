@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -91,6 +92,18 @@ def template_supports_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template
 
 
+# content['type'], item.type, ... or selectattr('type', ...) over a message's content
+_CONTENT_PART_TYPE = re.compile(
+    r"""(content|item|part)\s*(\[\s*['"]type['"]\s*\]|\.type\b)|selectattr\(\s*['"]type['"]"""
+)
+
+
+def template_takes_content_parts(chat_template: str | None) -> bool:
+    """The template reads a message's content as parts ({"type": "text"} / {"type": "image"}, as vision-language
+    models' templates do, e.g. llava-1.5's) rather than as a string."""
+    return bool(chat_template) and _CONTENT_PART_TYPE.search(chat_template) is not None
+
+
 def _call_dict(call: P.ToolCallSpec) -> dict[str, Any]:
     args = call.function.arguments
     if isinstance(args, str):
@@ -101,6 +114,24 @@ def _call_dict(call: P.ToolCallSpec) -> dict[str, Any]:
                 f"tool call {call.function.name!r} in the history has arguments that are not valid JSON", "messages"
             ) from None
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
+
+
+def _parts(content: Any, images: list[str]) -> list[dict[str, Any]]:
+    """A message's content as the parts a vision-language template reads; image URLs appended to `images`."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    parts = []
+    for part in content:
+        if part.type == "image_url":
+            images.append(_image_url(part))
+            parts.append({"type": "image"})
+        elif part.type == "text":
+            parts.append({"type": "text", "text": part.text or ""})
+        else:
+            raise InvalidRequestError(f"content part type {part.type!r} is not supported by this model", "messages")
+    return parts
 
 
 def _text(content: Any, images: list[str] | None = None, image_token: str | None = None) -> str:
@@ -137,15 +168,21 @@ def render_messages(
     parser_cls: type[ToolCallParser],
     image_token: str | None = None,
     images: list[str] | None = None,
+    content_parts: bool = False,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages for the template, `tools=` for the template or None). With `image_token` (a vision-language
-    model), image parts are written as that token and their URLs appended to `images`, in order."""
+    model), image parts are written as that token and their URLs appended to `images`, in order; with
+    `content_parts` (its template reads parts) every content goes as parts, images as {"type": "image"}, and the
+    template writes the image tokens."""
     out: list[dict[str, Any]] = []
     parser = plan.new_parser() if plan is not None else parser_cls([])
     for m in messages:
         d = m.model_dump(exclude_none=True, exclude={"tool_calls", "content"})
         d["role"] = _TEMPLATE_ROLES.get(m.role, m.role)
-        d["content"] = _text(m.content, images, image_token)
+        if content_parts and images is not None:
+            d["content"] = _parts(m.content, images)
+        else:
+            d["content"] = _text(m.content, images, image_token)
         if m.tool_calls:
             calls = [_call_dict(c) for c in m.tool_calls]
             if native_tools:
