@@ -129,6 +129,13 @@ class ServerArgs:
     # chat_template_kwargs.chat_template: a request may bring its own Jinja template only when this is on
     allow_request_chat_template: bool = False
     log_level: str = "info"
+    # Parallelism (docs/parallelism.md)
+    tp_size: int = 1  # tensor parallel: ranks that each hold a share of every layer (one scheduler process each)
+    dp_size: int = 1  # data parallel: replicas of the model behind one HTTP server
+    load_balance_method: str = "shortest_queue"  # dp: round_robin | shortest_queue | prefix_affinity
+    nnodes: int = 1  # hosts that the tensor-parallel ranks span
+    node_rank: int = 0  # this host's index; only node 0 runs the HTTP server, tokenizer and detokenizer
+    dist_init_addr: str | None = None  # host:port of node 0 for torch.distributed (needed with nnodes > 1)
     # Structured generation
     # auto: llguidance first, xgrammar when llguidance rejects the grammar or its masks measure expensive, then
     # outlines (grammar/service.py)
@@ -206,6 +213,22 @@ class ServerArgs:
                 f"max_loaded_loras ({self.max_loaded_loras}) must be at least max_loras_per_batch "
                 f"({self.max_loras_per_batch})"
             )
+        for name in ("tp_size", "dp_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be 0 to nnodes - 1 ({self.nnodes - 1}), got {self.node_rank}")
+        if self.nnodes > 1:
+            if self.tp_size % self.nnodes:
+                raise ValueError(f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes})")
+            if self.dp_size > 1:
+                raise ValueError("dp_size > 1 with nnodes > 1 is not supported: run one server per node")
+            if not self.dist_init_addr:
+                raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0)")
+        if self.dist_init_addr is not None:
+            split_host_port(self.dist_init_addr)
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(f"load_balance_method must be one of {LOAD_BALANCE_METHODS}")
         if self.max_lora_rank is not None and not 1 <= self.max_lora_rank <= 1024:
             raise ValueError(f"max_lora_rank must be 1 to 1024, got {self.max_lora_rank}")
 
@@ -533,6 +556,44 @@ class ServerArgs:
             help="adapters kept in host memory; past it the least recently used is dropped and read from its folder "
             "again when needed (default: 4 x --max-loras-per-batch)",
         )
+        par = parser.add_argument_group("Parallelism", "tensor / data parallel and multi-node (docs/parallelism.md)")
+        par.add_argument(
+            "--tp-size",
+            "--tensor-parallel-size",
+            dest="tp_size",
+            type=_positive_int,
+            default=1,
+            help="tensor-parallel ranks: each holds a share of every layer's weights and KV cache (one GPU each)",
+        )
+        par.add_argument(
+            "--dp-size",
+            "--data-parallel-size",
+            dest="dp_size",
+            type=_positive_int,
+            default=1,
+            help="data-parallel replicas behind this server, each of --tp-size ranks, requests routed by a controller",
+        )
+        par.add_argument(
+            "--load-balance-method",
+            default=defaults.load_balance_method,
+            choices=LOAD_BALANCE_METHODS,
+            help="how the data-parallel controller picks a replica: round_robin, shortest_queue (fewest requests "
+            "queued and running), prefix_affinity (requests that start alike go to the same replica, for its prefix "
+            "cache, unless it is much busier than the others)",
+        )
+        par.add_argument("--nnodes", type=_positive_int, default=1, help="hosts the tensor-parallel ranks span")
+        par.add_argument(
+            "--node-rank",
+            type=_non_negative_int,
+            default=0,
+            help="this host's index; nodes other than 0 run only their model ranks",
+        )
+        par.add_argument(
+            "--dist-init-addr",
+            default=None,
+            metavar="HOST:PORT",
+            help="node 0's address for torch.distributed (and the step channel); needed with --nnodes > 1",
+        )
         media = parser.add_argument_group("Images", "image_url content parts for vision-language models")
         media.add_argument(
             "--allowed-local-media-path",
@@ -631,6 +692,8 @@ class LaunchInfo:
     eos_token_ids: tuple[int, ...] = ()
     tool_call_parser: str = "hermes"  # --tool-call-parser, or detected from the chat template
     grammar_text_tokens: tuple[str, ...] = ()  # tool-call / reasoning markers grammars may match as one token
+    # tensor parallelism: tcp://host:port of each data-parallel replica's torch.distributed store ("": tp_size 1)
+    dist_init_methods: tuple[str, ...] = ()
 
     def ipc_path(self, name: str) -> str:
         return f"ipc://{os.path.join(self.ipc_dir, name)}"
@@ -649,6 +712,17 @@ class ServerConfig:
 
     def ipc_path(self, name: str) -> str:
         return self.launch.ipc_path(name)
+
+
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_affinity")
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """'host:port' (or '[v6]:port') -> (host, port); raises ValueError."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"dist_init_addr must be host:port, got {addr!r}")
+    return host.strip("[]"), int(port)
 
 
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

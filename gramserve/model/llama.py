@@ -20,6 +20,7 @@ from gramserve.model.forward_batch import ForwardBatch, ForwardMode
 from gramserve.model.lora.linear import LoRAContext, LoRALinear
 from gramserve.model.lora.pool import LoRAPool
 from gramserve.model.model_config import ModelConfig, UnsupportedModelError
+from gramserve.model.parallel import Partition, TPGroup
 from gramserve.model.quant_weights import BlockWeight
 
 
@@ -120,12 +121,15 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    """Self-attention over this rank's heads (all of them without tensor parallelism); o_proj's partial sums are
+    added over the ranks."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, part: Partition, tp: TPGroup):
         super().__init__()
-        self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.layer, self.tp = layer, tp
+        self.num_heads, self.num_kv_heads, self.head_dim = part.num_heads, part.num_kv_heads, cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -163,7 +167,7 @@ class Attention(nn.Module):
             cache = backend.kv_cache
             q = fused(qkv, self.num_heads, self.num_kv_heads, rope.cos, rope.sin, positions,
                       cache.k[self.layer], cache.v[self.layer], batch.out_cache_loc)  # fmt: skip
-            return self.o_proj(backend.forward(q, None, None, self.layer, batch, self.scale))
+            return self.tp.all_reduce(self.o_proj(backend.forward(q, None, None, self.layer, batch, self.scale)))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -176,17 +180,23 @@ class Attention(nn.Module):
                 qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
             )
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        return self.o_proj(backend.forward(q, k, v, self.layer, batch, self.scale))
+        return self.tp.all_reduce(self.o_proj(backend.forward(q, k, v, self.layer, batch, self.scale)))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """SwiGLU over this rank's intermediate features; down_proj's partial sums are added over the ranks."""
+
+    def __init__(self, cfg: ModelConfig, part: Partition, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * part.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(part.intermediate_size, cfg.hidden_size, bias=False)
         self.kernels = None  # the CPU kernel library (`use_cpu_kernels`): SiLU-and-multiply in one call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self._forward(x))
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda:
             from gramserve.model import fused_ops
 
@@ -200,13 +210,30 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows of the embedding table; tokens outside them give zeros, and the all-reduce adds the
+    rows that each rank looked up."""
+
+    def __init__(self, cfg: ModelConfig, part: Partition, tp: TPGroup):
+        super().__init__(part.vocab_per_rank if tp.size > 1 else cfg.vocab_size, cfg.hidden_size)
+        self.tp, self.first = tp, part.vocab[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(ids)
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int):
+    def __init__(self, cfg: ModelConfig, layer: int, part: Partition, tp: TPGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, part, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, part, tp)
 
     def forward(self, x, residual, positions, rope, backend, batch):
         """x: the previous layer's output, residual: the stream before it (None at the first layer)."""
@@ -220,14 +247,19 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    """The decoder; with a `tp` group of several ranks, this rank's share of it (model/parallel.py)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp: TPGroup | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.tp = tp = tp or TPGroup()
+        self.part = part = Partition.of(cfg, tp.rank, tp.size)
+        self.embed_tokens = VocabParallelEmbedding(cfg, part, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, part, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rope = RotaryEmbedding(cfg, max_positions)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        vocab_rows = self.embed_tokens.num_embeddings
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         self.lm_head_blocks: BlockLinear | None = None  # set by use_cpu_kernels
         self.lora: LoRAContext | None = None  # set by use_lora
 
@@ -255,8 +287,10 @@ class LlamaForCausalLM(nn.Module):
             x, residual = x[last], residual[last]
         x, _ = self.norm(x, residual)
         if self.lm_head_blocks is not None:
-            return self.lm_head_blocks(x).float()
-        logits = F.linear(x, self.lm_head_weight)
+            logits = self.lm_head_blocks(x)
+        else:
+            logits = F.linear(x, self.lm_head_weight)
+        logits = self.tp.gather_columns(logits, self.cfg.vocab_size)  # every rank's vocabulary columns
         return logits.float() if logits_out is None else logits_out.copy_(logits)
 
     # --- CPU kernels -----------------------------------------------------------------------------
@@ -345,6 +379,7 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise UnsupportedModelError(f"unexpected weight {name!r} for {self.cfg.architecture}")
             param = params[target]
+            tensor = self.part.slice_hf(name, tensor)
             with torch.no_grad():
                 if shard is None:
                     param.copy_(tensor)
@@ -354,12 +389,12 @@ class LlamaForCausalLM(nn.Module):
         self._check_all_loaded(loaded, fused)
 
     def _shard_slice(self, target: str, shard: int) -> slice:
-        cfg = self.cfg
+        part, head_dim = self.part, self.cfg.head_dim
         if "qkv_proj" in target:
-            q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+            q, kv = part.num_heads * head_dim, part.num_kv_heads * head_dim
             bounds = [0, q, q + kv, q + 2 * kv]
         else:
-            bounds = [0, cfg.intermediate_size, 2 * cfg.intermediate_size]
+            bounds = [0, part.intermediate_size, 2 * part.intermediate_size]
         return slice(bounds[shard], bounds[shard + 1])
 
     def _text_parameters(self) -> list[str]:
@@ -381,12 +416,26 @@ class LlamaForCausalLM(nn.Module):
             raise UnsupportedModelError(f"weights missing from the checkpoint: {missing[:5]}")
 
     def init_dummy_weights(self, seed: int) -> None:
-        """Random weights of realistic scale, for speed runs at real shapes without a checkpoint."""
+        """Random weights of realistic scale, for speed runs at real shapes without a checkpoint. Under tensor
+        parallelism each rank draws every whole parameter as one device would and keeps its share, so the ranks
+        together hold the same weights as a single device with the same seed."""
         device = self.embed_tokens.weight.device
         gen = torch.Generator(device=device).manual_seed(seed)
+        full_shapes = self._full_shapes() if self.tp.size > 1 else {}
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
+                elif name in full_shapes:
+                    full = torch.empty(full_shapes[name], dtype=p.dtype, device=device).uniform_(
+                        -0.02, 0.02, generator=gen
+                    )
+                    p.copy_(self.part.slice_fused(name, full, self.cfg))
                 else:
                     p.uniform_(-0.02, 0.02, generator=gen)
+
+    def _full_shapes(self) -> dict[str, torch.Size]:
+        """Every parameter's shape on a single device (a size-1 twin built on the meta device)."""
+        with torch.device("meta"):
+            whole = type(self)(self.cfg, 1)
+        return {name: p.shape for name, p in whole.named_parameters()}

@@ -35,8 +35,8 @@ class Projector(nn.Module):
 
 
 class LlavaForConditionalGeneration(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig, max_positions: int):
-        super().__init__(cfg, max_positions)
+    def __init__(self, cfg: ModelConfig, max_positions: int, tp=None):
+        super().__init__(cfg, max_positions, tp)  # tp: always a size-1 group (the runner refuses more)
         assert cfg.vision is not None
         self.vision_tower = CLIPVisionTower(cfg.vision)
         self.projector = Projector(cfg)

@@ -22,7 +22,8 @@ from gramserve.model.llava import LlavaForConditionalGeneration
 from gramserve.model.loader import default_gguf_path, load_config_dict, resolve_model
 from gramserve.model.lora.adapter import TARGET_MODULES
 from gramserve.model.lora.pool import LoRAPool
-from gramserve.model.model_config import ModelConfig
+from gramserve.model.model_config import ModelConfig, UnsupportedModelError
+from gramserve.model.parallel import TPConfig, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class RunnerConfig:
     lora_slots: int = 0  # adapters one batch may use (the device pool's slots); 0: LoRA off
     max_lora_rank: int = 16
     lora_target_modules: tuple[str, ...] = TARGET_MODULES
+    tp: TPConfig = TPConfig()  # this rank's place in its tensor-parallel group (model/parallel.py)
 
 
 @dataclass
@@ -73,6 +75,7 @@ class RunnerInfo:
     lora_slots: int = 0  # LoRA adapter slots of the device pool (0: LoRA off)
     lora_rank: int = 0  # the pool's rank (max rank rounded up to 16)
     lora_pool_mib: float = 0.0
+    tp_size: int = 1
 
 
 class ModelRunner:
@@ -80,10 +83,17 @@ class ModelRunner:
         t0 = time.time()
         self.cfg = cfg = config
         self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and cfg.tp.size > 1:
+            self.device = torch.device("cuda", cfg.tp.device_index)
+            torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, cfg.dtype)
         path, kind = resolve_model(cfg.model_path, cfg.load_format)
         self.model_dir = path if os.path.isdir(path) else os.path.dirname(path)
         self.config = ModelConfig.from_dict(load_config_dict(path))
+        if cfg.tp.size > 1 and (self.config.vision is not None or cfg.lora_slots > 0):
+            what = "a vision-language model" if self.config.vision is not None else "LoRA adapters"
+            raise UnsupportedModelError(f"{what} with tp_size > 1 is not supported yet; use tp_size 1")
+        self.tp = TPGroup(cfg.tp, self.device)
         self.context_length = min(
             cfg.context_length or self.config.max_position_embeddings, self.config.max_position_embeddings
         )
@@ -100,14 +110,15 @@ class ModelRunner:
                 self.config, cfg.lora_slots, cfg.max_lora_rank, cfg.lora_target_modules, self.dtype, self.device
             )
         self.memory: dict | None = None
-        num_slots = self._kv_slots(cfg.max_running_requests)
+        part = self.model.part
+        num_slots = self.tp.min_int(self._kv_slots(cfg.max_running_requests))  # the same slots on every rank
         self.kv_cache = KVCache(
-            self.config.num_layers, num_slots, self.config.num_kv_heads, self.config.head_dim, self.dtype, self.device
+            self.config.num_layers, num_slots, part.num_kv_heads, self.config.head_dim, self.dtype, self.device
         )
         if self.memory is not None:
             self.memory["kv_pool_gib"] = round(self.kv_cache.nbytes / 2**30, 2)
         backend_name = cfg.attention_backend
-        self.backend = create_backend(backend_name, self.kv_cache, self.config.num_heads)
+        self.backend = create_backend(backend_name, self.kv_cache, part.num_heads)
         cpu_decode = self._use_cpu_kernels(kind)
         if self.lora_pool is not None:
             self.model.use_lora(self.lora_pool)
@@ -130,12 +141,20 @@ class ModelRunner:
         if self.lora_pool is not None:
             self.info.lora_slots, self.info.lora_rank = cfg.lora_slots, self.lora_pool.rank
             self.info.lora_pool_mib = round(self.lora_pool.nbytes / 2**20, 1)
+        self.info.tp_size = self.tp.size
+        # Tensor parallelism: rank 0 sends every step to the others (model/tp_step.py).
+        self.step_sender = None
+        if self.tp.size > 1 and self.tp.is_driver:
+            from gramserve.model.tp_step import StepSender
+
+            self.step_sender = StepSender(self.tp)
         logger.info(
-            "model %s loaded on %s (%s, %s attention) in %.1f s; KV pool %d tokens",
+            "model %s loaded on %s (%s, %s attention%s) in %.1f s; KV pool %d tokens",
             self.config.architecture,
             self.device,
             self.info.dtype,
             backend_name,
+            f", tensor parallel rank {self.tp.rank} of {self.tp.size}" if self.tp.size > 1 else "",
             self.info.load_seconds,
             num_slots,
         )
@@ -156,7 +175,9 @@ class ModelRunner:
         cpu_kernels.set_threads(self.cfg.cpu_kernel_threads)
         blocks, source = {}, ""
         gguf = self.cfg.model_path or (default_gguf_path() if kind != "dummy" else None)
-        if self.cfg.cpu_weights == "auto" and kind == "hf" and gguf and gguf.endswith(".gguf"):
+        # Under tensor parallelism `auto` keeps the floats: the GGUF's blocks hold whole matrices, not a rank's share.
+        whole = self.tp.size == 1
+        if self.cfg.cpu_weights == "auto" and whole and kind == "hf" and gguf and gguf.endswith(".gguf"):
             # In a subfolder: the model's own *.safetensors are globbed from model_dir.
             cache_file = os.path.join(self.model_dir, "cpu", "gguf_blocks.safetensors")
             blocks, source = gguf_blocks(gguf, self.model.hf_weights(), cache_file), "gguf"
@@ -179,7 +200,7 @@ class ModelRunner:
         try:
             with torch.device("meta"):
                 model_class = LlavaForConditionalGeneration if self.config.vision is not None else LlamaForCausalLM
-                model = model_class(self.config, self.context_length)
+                model = model_class(self.config, self.context_length, self.tp)
         finally:
             torch.set_default_dtype(prev_dtype)
         model = model.to_empty(device=self.device)
@@ -201,7 +222,7 @@ class ModelRunner:
 
     def _kv_slots(self, max_running_requests: int) -> int:
         per_token = KVCache.bytes_per_token(
-            self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, self.dtype
+            self.config.num_layers, self.model.part.num_kv_heads, self.config.head_dim, self.dtype
         )
         if self.cfg.kv_cache_memory_gb is not None:
             budget = self.cfg.kv_cache_memory_gb * 2**30
@@ -260,6 +281,30 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.step_sender is not None:  # tensor parallel: the other ranks run the same step
+            self.step_sender.send(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
         return self.model(batch, self.backend)
+
+    def follow(self, req_to_token: torch.Tensor) -> None:
+        """A tensor-parallel rank other than 0: run every step rank 0 sends, until it stops. `req_to_token`: this
+        rank's copy of the slot table (the one its CUDA graphs read)."""
+        from gramserve.model.tp_step import StepReceiver
+
+        receiver = StepReceiver(self.tp, self.device, req_to_token)
+        try:
+            while (batch := receiver.receive()) is not None:
+                with torch.inference_mode():
+                    if self.graph_runner is not None and self.graph_runner.can_run(batch):
+                        self.graph_runner.replay(batch)
+                    else:
+                        self.model(batch, self.backend)
+        finally:
+            receiver.close()
+
+    def close(self) -> None:
+        """Tell the other tensor-parallel ranks to stop (rank 0)."""
+        if self.step_sender is not None:
+            self.step_sender.close()
+            self.step_sender = None

@@ -11,6 +11,7 @@ import zmq
 from gramserve.config import ServerConfig
 from gramserve.ipc import DETOKENIZER_IN, SCHEDULER_IN, exit_when_parent_dies, pull_socket, push_socket
 from gramserve.messages import AbortReq, ControlReq, ControlResp, TokenizedGenerateReq
+from gramserve.model.parallel import TPConfig
 from gramserve.scheduler.grammar_client import GrammarClient
 from gramserve.scheduler.scheduler import Scheduler
 from gramserve.scheduler.stats import status_line
@@ -20,9 +21,10 @@ STATUS_INTERVAL_S = 10.0  # a one-line status at INFO this often while there is 
 LORA_POLL_MS = 5  # how often an idle loop looks for finished LoRA reads
 
 
-def run_scheduler_process(config: ServerConfig, ready_pipe, heartbeat=None) -> None:
+def run_scheduler_process(config: ServerConfig, ready_pipe, heartbeat=None, tp: TPConfig = TPConfig()) -> None:
     """Entry point of the scheduler process (multiprocessing spawn). `heartbeat`: a shared double the loop sets to
-    time.monotonic() at every turn (the main process's /health reads it: server/health.py)."""
+    time.monotonic() at every turn (the main process's /health reads it: server/health.py). `tp`: with tensor
+    parallelism, rank 0's place in its group (the other ranks run scheduler/tp_worker.py)."""
     logging.basicConfig(level=config.args.log_level.upper(), format="%(asctime)s [scheduler] %(levelname)s %(message)s")
     exit_when_parent_dies()
     try:
@@ -32,7 +34,7 @@ def run_scheduler_process(config: ServerConfig, ready_pipe, heartbeat=None) -> N
         tokenizer = AutoTokenizer.from_pretrained(config.launch.tokenizer_dir)
         ctx = zmq.Context()
         grammar = GrammarClient(config, ctx) if config.launch.grammar_shm else None
-        scheduler = Scheduler(config, tokenizer, grammar)
+        scheduler = Scheduler(config, tokenizer, grammar, tp)
     except Exception as exc:  # noqa: BLE001 - reported to the launcher, which exits with it
         logger.exception("scheduler failed to start")
         ready_pipe.send({"error": f"{type(exc).__name__}: {exc}"})

@@ -24,6 +24,7 @@ import torch
 from gramserve.config import ServerConfig
 from gramserve.messages import BatchTokenOut, FinishReason, TokenizedGenerateReq, TokenLogprob
 from gramserve.model.lora.adapter import LoRAAdapterError
+from gramserve.model.parallel import TPConfig
 from gramserve.model.runner import ModelRunner, RunnerConfig
 from gramserve.sampling.grammar_masks import MaskApplier
 from gramserve.sampling.sampler import PendingSample, Sampler, SampleResult
@@ -67,8 +68,8 @@ class _Sampled:
     fed: bool = False  # the constrained rows' ids went to the grammar process through the token feed
 
 
-def runner_config(config: ServerConfig) -> RunnerConfig:
-    """The model runner's share of the server configuration."""
+def runner_config(config: ServerConfig, tp: TPConfig = TPConfig()) -> RunnerConfig:
+    """The model runner's share of the server configuration (`tp`: this rank's place, with tensor parallelism)."""
     args, settings = config.args, config.settings
     return RunnerConfig(
         model_path=args.model_path,
@@ -88,20 +89,23 @@ def runner_config(config: ServerConfig) -> RunnerConfig:
         lora_slots=settings.max_loras_per_batch if settings.max_lora_rank else 0,
         max_lora_rank=settings.max_lora_rank or 16,
         lora_target_modules=settings.lora_target_modules,
+        tp=tp,
     )
 
 
 class Scheduler:
     """Runs one step at a time over `admission` (what to prefill), `kv` (KV slots), `batches` and the model."""
 
-    def __init__(self, config: ServerConfig, tokenizer, grammar: GrammarClient | None = None):
+    def __init__(
+        self, config: ServerConfig, tokenizer, grammar: GrammarClient | None = None, tp: TPConfig = TPConfig()
+    ):
         self.config = config
         args, settings = config.args, config.settings
         self.max_queued_requests = args.max_queued_requests or None  # 0: no limit
         self.grammar = grammar
         self.grammar_wait: dict[str, Req] = {}  # compiling constraints, by rid
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(runner_config(config))
+        self.runner = ModelRunner(runner_config(config, tp))  # rank 0 of its tensor-parallel group
         self.device = self.runner.device
         info = self.runner.info
         self.context_length = info.context_length

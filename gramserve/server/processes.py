@@ -20,13 +20,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from gramserve.config import LaunchInfo, ServerArgs, ServerConfig, Settings
+from gramserve.config import LaunchInfo, ServerArgs, ServerConfig, Settings, split_host_port
 from gramserve.detokenizer.process import run_detokenizer_process
 from gramserve.grammar.grammar_shm import create_grammar_shm
 from gramserve.grammar.worker import run_grammar_worker, worker_name
 from gramserve.model.loader import default_tokenizer_dir, load_config_dict, resolve_model
 from gramserve.model.model_config import ModelConfig
+from gramserve.model.parallel import TPConfig
 from gramserve.scheduler.process import run_scheduler_process
+from gramserve.scheduler.tp_worker import run_tp_worker_process
 from gramserve.server.health import ServerHealth
 from gramserve.server.settings import resolve_settings
 
@@ -80,6 +82,59 @@ def read_chat_template(value: str) -> str:
     if value.endswith((".jinja", ".j2", ".txt")):
         raise StartupError(f"--chat-template: no such file {value!r}")
     return value
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def dist_init_methods(args: ServerArgs) -> tuple[str, ...]:
+    """torch.distributed's store address of each data-parallel replica (tensor parallelism only)."""
+    if args.tp_size == 1:
+        return ()
+    if args.dist_init_addr:
+        host, port = split_host_port(args.dist_init_addr)
+        return tuple(f"tcp://{host}:{port + 1 + i}" for i in range(args.dp_size))
+    return tuple(f"tcp://127.0.0.1:{free_port()}" for _ in range(args.dp_size))
+
+
+def tp_config(config: ServerConfig, replica: int, rank: int) -> TPConfig:
+    """Tensor-parallel rank `rank` of data-parallel replica `replica`: its store, CUDA device and channel host."""
+    args = config.args
+    if args.tp_size == 1:
+        return TPConfig(device_index=replica)
+    per_node = args.tp_size // args.nnodes
+    channel_host = split_host_port(args.dist_init_addr)[0] if args.nnodes > 1 else "127.0.0.1"
+    return TPConfig(
+        size=args.tp_size,
+        rank=rank,
+        init_method=config.launch.dist_init_methods[replica],
+        device_index=replica * args.tp_size + rank % per_node,
+        channel_host=channel_host,
+    )
+
+
+def tp_worker_children(config: ServerConfig, replica: int, node_rank: int) -> list[tuple[str, Callable]]:
+    """The (name, entry) of every tensor-parallel rank of `replica` on node `node_rank`, rank 0 excepted."""
+    args = config.args
+    per_node = args.tp_size // args.nnodes
+    ranks = range(node_rank * per_node, (node_rank + 1) * per_node)
+    prefix = f"tp-worker-dp{replica}" if args.dp_size > 1 else "tp-worker"
+    return [
+        (f"{prefix}-{r}", functools.partial(run_tp_worker_process, tp=tp_config(config, replica, r)))
+        for r in ranks
+        if r > 0
+    ]
+
+
+def set_nccl_environment() -> None:
+    """NVLink multicast off for every child (the GPU hosts' notes: NVLS hangs or fails there)."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 
 def _child_entry(target, config: ServerConfig, pipe) -> None:
@@ -173,6 +228,8 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
     """Start every child process and wait until each is ready; raises StartupError (or ValueError for settings that
     do not fit together) after stopping whatever had started."""
     ipc_dir = tempfile.mkdtemp(prefix="gramserve-ipc-")
+    if args.tp_size > 1:
+        set_nccl_environment()
     ctx = mp.get_context("spawn")
     procs: dict[str, mp.Process] = {}
     shm = None
@@ -187,14 +244,16 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
             tokenizer.chat_template = read_chat_template(args.chat_template)
         launch = derive_launch_info(args, tokenizer_dir, ipc_dir, tokenizer)
         shm = create_grammar_shm(settings.max_running_requests, launch.vocab_size)
-        config = ServerConfig(args, settings, dataclasses.replace(launch, grammar_shm=shm.name))
+        launch = dataclasses.replace(launch, grammar_shm=shm.name, dist_init_methods=dist_init_methods(args))
+        config = ServerConfig(args, settings, launch)
         pipes = {}
         heartbeat = ctx.Value("d", 0.0, lock=False)  # the scheduler loop's last time.monotonic() (health.py)
         health = ServerHealth(heartbeat, args.watchdog_timeout, warming=not args.skip_warmup)
         children = [
-            ("scheduler", functools.partial(run_scheduler_process, heartbeat=heartbeat)),
+            ("scheduler", functools.partial(run_scheduler_process, heartbeat=heartbeat, tp=tp_config(config, 0, 0))),
             ("detokenizer", run_detokenizer_process),
         ]
+        children += tp_worker_children(config, 0, 0)
         children += [
             (worker_name(i, settings.grammar_shards), functools.partial(run_grammar_worker, shard=i))
             for i in range(settings.grammar_shards)

@@ -39,8 +39,9 @@ def resolve_dtype(name: str, device: str) -> str:
     return name
 
 
-def scheduler_threads(device: str) -> int:
-    """Torch CPU threads for the scheduler process."""
+def scheduler_threads(device: str, model_processes: int = 1) -> int:
+    """Torch CPU threads for the scheduler process (and for each tensor-parallel rank / data-parallel replica: the
+    `model_processes` of them share the cores)."""
     if device == "cuda":
         # The model runs on the GPU; host tensor ops are small (ids, bitmask copies). Idle OpenMP threads spin
         # after each parallel op and would take cores from the grammar workers' fill threads.
@@ -50,7 +51,7 @@ def scheduler_threads(device: str) -> int:
     # the HTTP server and detokenizer need about 7% of a core). Past 4, two cores stay with the other processes.
     # torch and the CPU kernels share one OpenMP runtime, so one count serves both.
     cores = available_cores()
-    return cores if cores <= 4 else cores - 2
+    return max(1, (cores if cores <= 4 else cores - 2) // model_processes)
 
 
 DEFAULT_MAX_LORA_RANK = 16
@@ -94,6 +95,7 @@ def resolve_settings(args: ServerArgs) -> Settings:
     # forward is synchronous and overlapping only costs one wasted token per finishing request.
     overlap = device == "cuda" if args.overlap_schedule == "auto" else args.overlap_schedule == "on"
     graphs = 0 if device != "cuda" or args.disable_cuda_graph else given_or_default("cuda_graph_max_bs")
+    model_processes = args.tp_size // args.nnodes * args.dp_size  # on this host
     return Settings(
         device=device,
         dtype=dtype,
@@ -106,8 +108,8 @@ def resolve_settings(args: ServerArgs) -> Settings:
         max_consecutive_prefills=given_or_default("max_consecutive_prefills"),
         grammar_shards=shards,
         grammar_fill_threads=resolve_fill_threads(args.grammar_fill_threads, shards),
-        scheduler_threads=args.num_threads or scheduler_threads(device),
-        cpu_kernel_threads=args.cpu_kernel_threads or args.num_threads or scheduler_threads(device),
+        scheduler_threads=args.num_threads or scheduler_threads(device, model_processes),
+        cpu_kernel_threads=args.cpu_kernel_threads or args.num_threads or scheduler_threads(device, model_processes),
         **resolve_lora(args),
     )
 
