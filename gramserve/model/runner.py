@@ -143,11 +143,14 @@ class ModelRunner:
             self.info.lora_pool_mib = round(self.lora_pool.nbytes / 2**20, 1)
         self.info.tp_size = self.tp.size
         # Tensor parallelism: rank 0 sends every step to the others (model/tp_step.py).
-        self.step_sender = None
-        if self.tp.size > 1 and self.tp.is_driver:
-            from gramserve.model.tp_step import StepSender
+        self.step_sender = self.step_receiver = None
+        if self.tp.size > 1:  # every rank at once: they exchange the channel's addresses
+            from gramserve.model.tp_step import StepReceiver, StepSender
 
-            self.step_sender = StepSender(self.tp)
+            if self.tp.is_driver:
+                self.step_sender = StepSender(self.tp)
+            else:
+                self.step_receiver = StepReceiver(self.tp, self.device)
         logger.info(
             "model %s loaded on %s (%s, %s attention%s) in %.1f s; KV pool %d tokens",
             self.config.architecture,
@@ -290,9 +293,8 @@ class ModelRunner:
     def follow(self, req_to_token: torch.Tensor) -> None:
         """A tensor-parallel rank other than 0: run every step rank 0 sends, until it stops. `req_to_token`: this
         rank's copy of the slot table (the one its CUDA graphs read)."""
-        from gramserve.model.tp_step import StepReceiver
-
-        receiver = StepReceiver(self.tp, self.device, req_to_token)
+        receiver = self.step_receiver
+        receiver.table = req_to_token
         try:
             while (batch := receiver.receive()) is not None:
                 with torch.inference_mode():

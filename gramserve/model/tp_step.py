@@ -96,10 +96,12 @@ class StepSender:
 
 
 class StepReceiver:
-    """A follower's end."""
+    """A follower's end. Made when the sender is (both take part in one exchange of addresses); `table` (this
+    rank's slot table) is set before the first step."""
 
-    def __init__(self, tp: TPGroup, device: torch.device, req_to_token: torch.Tensor):
-        self.tp, self.device, self.table = tp, device, req_to_token
+    def __init__(self, tp: TPGroup, device: torch.device):
+        self.tp, self.device = tp, device
+        self.table: torch.Tensor | None = None
         endpoints = tp.broadcast_object()
         self.sock = zmq.Context.instance().socket(zmq.PULL)
         self.sock.setsockopt(zmq.RCVHWM, 0)
