@@ -694,9 +694,17 @@ class LaunchInfo:
     grammar_text_tokens: tuple[str, ...] = ()  # tool-call / reasoning markers grammars may match as one token
     # tensor parallelism: tcp://host:port of each data-parallel replica's torch.distributed store ("": tp_size 1)
     dist_init_methods: tuple[str, ...] = ()
+    # data parallelism: this process's replica, and the folder of the sockets only that replica uses (its scheduler's
+    # inbox, its grammar workers'); "": the server's own ipc_dir
+    replica: int = 0
+    replica_ipc_dir: str = ""
 
     def ipc_path(self, name: str) -> str:
         return f"ipc://{os.path.join(self.ipc_dir, name)}"
+
+    def replica_path(self, name: str) -> str:
+        """A socket of this replica's own processes (the same as ipc_path without data parallelism)."""
+        return f"ipc://{os.path.join(self.replica_ipc_dir or self.ipc_dir, name)}"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

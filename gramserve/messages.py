@@ -121,6 +121,24 @@ class ControlReq:
 class ControlResp:
     qid: str
     payload: dict[str, Any]
+    replica: int = 0  # data parallelism: the replica that answers
+
+
+@dataclass
+class ReplicaFinished:
+    """Data parallelism: a replica's scheduler tells the controller which requests ended (so that it knows each
+    replica's load, and which requests to fail should the replica die)."""
+
+    replica: int
+    rids: list[str]
+
+
+@dataclass
+class ReplicaDown:
+    """Data parallelism: the main process tells the controller that a replica's process died."""
+
+    replica: int
+    reason: str
 
 
 @dataclass

@@ -118,3 +118,33 @@ def test_tp2_serves_real_clients(tp2_server):
     assert usage.prompt_tokens_details.cached_tokens > 0
     pool = wait_pool_whole(tp2_server.base_url)
     assert pool["used_slots"] == 0, pool
+
+
+def test_two_nodes_over_loopback(tmp_path, tp1_answers, tp2_server):
+    """--nnodes 2: node 1 runs only rank 1 (no HTTP server); node 0 serves, and serves what TP=1 serves."""
+    import subprocess
+    import sys
+
+    from conftest import free_port
+
+    tp2_server.stop()  # two cores: one TP=2 server at a time
+    addr = f"127.0.0.1:{free_port()}"
+    common = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr, "--cpu-weights", "float"]
+    log = open(tmp_path / "node1.log", "w")
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "gramserve", "serve", *common, "--node-rank", "1"], stdout=log, stderr=subprocess.STDOUT
+    )
+    try:
+        node0 = start_server(str(tmp_path), *common, "--node-rank", "0", "--skip-warmup")
+        try:
+            answers = _generate(node0.base_url)
+            assert [a["output_ids"] for a in answers] == [a["output_ids"] for a in tp1_answers]
+            assert node1.poll() is None
+        finally:
+            assert node0.stop() == 0, node0.log()[-3000:]
+        assert node1.wait(30) == 0  # rank 0 said stop: node 1 exits on its own
+        text = (tmp_path / "node1.log").read_text()
+        assert "node 1 ready" in text and "serving on" not in text
+    finally:
+        if node1.poll() is None:
+            node1.kill()

@@ -73,8 +73,8 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
         ready_pipe.send({"error": f"{type(exc).__name__}: {exc}"})
         return
     ctx = zmq.Context()
-    inbox = pull_socket(ctx, launch.ipc_path(grammar_inbox(shard)))
-    to_scheduler = push_socket(ctx, launch.ipc_path(SCHEDULER_GRAMMAR_IN))
+    inbox = pull_socket(ctx, launch.replica_path(grammar_inbox(shard)))
+    to_scheduler = push_socket(ctx, launch.replica_path(SCHEDULER_GRAMMAR_IN))
     ready_pipe.send({"ok": True})
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)

@@ -83,7 +83,7 @@ class ModelRunner:
         t0 = time.time()
         self.cfg = cfg = config
         self.device = torch.device(cfg.device)
-        if self.device.type == "cuda" and cfg.tp.size > 1:
+        if self.device.type == "cuda" and self.device.index is None:  # this rank's / replica's GPU
             self.device = torch.device("cuda", cfg.tp.device_index)
             torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, cfg.dtype)

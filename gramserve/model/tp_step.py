@@ -106,10 +106,20 @@ class StepReceiver:
         self.sock = zmq.Context.instance().socket(zmq.PULL)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # Rank 0's process may end without a goodbye (SIGTERM, a crash, node 0 stopped): its socket closing is the
+        # signal then.
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
         self.sock.connect(endpoints[tp.rank - 1])
 
     def receive(self) -> ForwardBatch | None:
         """The next step's batch (its slot-table entries already written), or None when rank 0 stops."""
+        events = dict(self.poller.poll())
+        if self.sock not in events:
+            logger.info("rank 0 disconnected")
+            return None
         header: StepHeader | None = self.sock.recv_pyobj()
         if header is None:
             return None
@@ -135,4 +145,6 @@ class StepReceiver:
         )
 
     def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close()
         self.sock.close()

@@ -59,8 +59,8 @@ class GrammarClient:
     def __init__(self, config: ServerConfig, ctx: zmq.Context):
         launch = config.launch
         self.shards = config.settings.grammar_shards
-        self.to_grammar = [push_socket(ctx, launch.ipc_path(grammar_inbox(i))) for i in range(self.shards)]
-        self.inbox = pull_socket(ctx, launch.ipc_path(SCHEDULER_GRAMMAR_IN))
+        self.to_grammar = [push_socket(ctx, launch.replica_path(grammar_inbox(i))) for i in range(self.shards)]
+        self.inbox = pull_socket(ctx, launch.replica_path(SCHEDULER_GRAMMAR_IN))
         self._shared = attach_grammar_shm(launch.grammar_shm, config.settings.max_running_requests, launch.vocab_size)
         self.bitmask = self._shared.bitmask
         self._step = 0  # the last step number given out

@@ -10,7 +10,14 @@ import zmq
 
 from gramserve.config import ServerConfig
 from gramserve.ipc import DETOKENIZER_IN, SCHEDULER_IN, exit_when_parent_dies, pull_socket, push_socket
-from gramserve.messages import AbortReq, ControlReq, ControlResp, TokenizedGenerateReq
+from gramserve.messages import (
+    AbortReq,
+    BatchTokenOut,
+    ControlReq,
+    ControlResp,
+    ReplicaFinished,
+    TokenizedGenerateReq,
+)
 from gramserve.model.parallel import TPConfig
 from gramserve.scheduler.grammar_client import GrammarClient
 from gramserve.scheduler.scheduler import Scheduler
@@ -25,7 +32,8 @@ def run_scheduler_process(config: ServerConfig, ready_pipe, heartbeat=None, tp: 
     """Entry point of the scheduler process (multiprocessing spawn). `heartbeat`: a shared double the loop sets to
     time.monotonic() at every turn (the main process's /health reads it: server/health.py). `tp`: with tensor
     parallelism, rank 0's place in its group (the other ranks run scheduler/tp_worker.py)."""
-    logging.basicConfig(level=config.args.log_level.upper(), format="%(asctime)s [scheduler] %(levelname)s %(message)s")
+    name = f"scheduler-dp{config.launch.replica}" if config.args.dp_size > 1 else "scheduler"
+    logging.basicConfig(level=config.args.log_level.upper(), format=f"%(asctime)s [{name}] %(levelname)s %(message)s")
     exit_when_parent_dies()
     try:
         torch.set_num_threads(config.settings.scheduler_threads)
@@ -39,13 +47,37 @@ def run_scheduler_process(config: ServerConfig, ready_pipe, heartbeat=None, tp: 
         logger.exception("scheduler failed to start")
         ready_pipe.send({"error": f"{type(exc).__name__}: {exc}"})
         return
-    inbox = pull_socket(ctx, config.ipc_path(SCHEDULER_IN))
-    to_detok = push_socket(ctx, config.ipc_path(DETOKENIZER_IN))
+    inbox = pull_socket(ctx, config.launch.replica_path(SCHEDULER_IN))
+    outputs = Outputs(push_socket(ctx, config.ipc_path(DETOKENIZER_IN)))
+    if config.args.dp_size > 1:  # control answers and finished requests go to the data-parallel controller
+        outputs = Outputs(outputs.to_detok, push_socket(ctx, config.ipc_path(SCHEDULER_IN)), config.launch.replica)
     ready_pipe.send({"ok": True, "runner": scheduler.runner.info.__dict__})
-    loop(scheduler, inbox, to_detok, heartbeat)
+    try:
+        loop(scheduler, inbox, outputs, heartbeat)
+    finally:
+        scheduler.runner.close()
 
 
-def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket, heartbeat=None) -> None:
+class Outputs:
+    """Where the loop's messages go: token outputs to the detokenizer; control answers there too, or, under data
+    parallelism, to the controller, which also hears of every request that ended."""
+
+    def __init__(self, to_detok: zmq.Socket, to_controller: zmq.Socket | None = None, replica: int = 0):
+        self.to_detok, self.to_controller, self.replica = to_detok, to_controller, replica
+
+    def tokens(self, out: BatchTokenOut) -> None:
+        self.to_detok.send_pyobj(out)
+        if self.to_controller is not None:
+            ended = [rid for rid, f in zip(out.rids, out.finished) if f is not None]
+            if ended:
+                self.to_controller.send_pyobj(ReplicaFinished(self.replica, ended))
+
+    def control(self, resp: ControlResp) -> None:
+        resp.replica = self.replica
+        (self.to_controller or self.to_detok).send_pyobj(resp)
+
+
+def loop(scheduler: Scheduler, inbox: zmq.Socket, outputs: Outputs, heartbeat=None) -> None:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
     if scheduler.grammar is not None:
@@ -70,7 +102,7 @@ def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket, heartbea
         events = dict(poller.poll(timeout=timeout))
         scheduler.poll_grammar()
         for qid, payload in scheduler.finished_lora_loads():
-            to_detok.send_pyobj(ControlResp(qid, payload))
+            outputs.control(ControlResp(qid, payload))
         while inbox in events or inbox.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 msg = inbox.recv_pyobj(zmq.NOBLOCK)
@@ -78,11 +110,11 @@ def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket, heartbea
                 break
             events = {}
             try:
-                handle_message(scheduler, msg, to_detok)
+                handle_message(scheduler, msg, outputs)
             except Exception:  # noqa: BLE001 - one bad message fails its own request, never the loop
                 logger.exception("could not handle %s", type(msg).__name__)
                 if isinstance(msg, TokenizedGenerateReq):
-                    to_detok.send_pyobj(scheduler.reject(msg.rid, "internal error while admitting the request"))
+                    outputs.tokens(scheduler.reject(msg.rid, "internal error while admitting the request"))
         t0 = time.perf_counter()
         try:
             out = scheduler.step()
@@ -90,18 +122,18 @@ def loop(scheduler: Scheduler, inbox: zmq.Socket, to_detok: zmq.Socket, heartbea
             logger.exception("step failed; aborting the running requests")
             out = scheduler.abort_all("internal error while running the batch (see server log)")
         if out is not None and out.rids:
-            to_detok.send_pyobj(out)
+            outputs.tokens(out)
         if out is not None and logger.isEnabledFor(logging.DEBUG):
             logger.debug("step: %d reqs in %.1f ms", len(out.rids), (time.perf_counter() - t0) * 1e3)
 
 
-def handle_message(scheduler: Scheduler, msg, to_detok: zmq.Socket) -> None:
+def handle_message(scheduler: Scheduler, msg, outputs: Outputs) -> None:
     if isinstance(msg, TokenizedGenerateReq):
         scheduler.add_request(msg)
     elif isinstance(msg, AbortReq):
         out = scheduler.abort(msg.rid)
         if out is not None:
-            to_detok.send_pyobj(out)
+            outputs.tokens(out)
     elif isinstance(msg, ControlReq):
         if msg.kind == "server_info":
             payload = scheduler.server_info()
@@ -115,6 +147,6 @@ def handle_message(scheduler: Scheduler, msg, to_detok: zmq.Socket) -> None:
             payload = scheduler.unload_lora(msg.args["lora_id"])
         else:
             payload = {"error": f"unknown control request {msg.kind}"}
-        to_detok.send_pyobj(ControlResp(msg.qid, payload))
+        outputs.control(ControlResp(msg.qid, payload))
     else:
         logger.error("unknown message %r", type(msg))

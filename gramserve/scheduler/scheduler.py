@@ -16,6 +16,7 @@ masks while the scheduler launches the next forward and does its own bookkeeping
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -538,6 +539,7 @@ class Scheduler:
 
     def server_info(self) -> dict:
         report = self._server_info()
+        report["pid"] = os.getpid()  # the scheduler process (data parallelism: each replica's, under "replicas")
         if self.lora is not None:
             report["lora"] = self.lora.report()
         if self.images is not None:

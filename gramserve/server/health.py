@@ -10,21 +10,28 @@ them hang.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
 @dataclass
 class ServerHealth:
-    heartbeat: Any  # multiprocessing Value('d'): the scheduler loop's last time.monotonic(); 0 before its first
+    # multiprocessing Value('d'): the scheduler loop's last time.monotonic(), 0 before its first; a list of them
+    # under data parallelism (one per replica)
+    heartbeat: Any
     watchdog_timeout: float  # seconds without a heartbeat before the scheduler counts as stalled
     dead_child: str | None = None
     draining: bool = False
     warming: bool = False  # server/warmup.py runs its cases; only its own requests are taken meanwhile
+    dead_replicas: set[int] = field(default_factory=set)  # data parallelism: replicas stopped after a failure
 
     def heartbeat_age(self) -> float | None:
-        last = self.heartbeat.value if self.heartbeat is not None else 0.0
-        return time.monotonic() - last if last else None
+        """Seconds since the stalest live scheduler loop last turned (None before every one has turned)."""
+        beats = self.heartbeat if isinstance(self.heartbeat, (list, tuple)) else [self.heartbeat]
+        lasts = [b.value if b is not None else 0.0 for i, b in enumerate(beats) if i not in self.dead_replicas]
+        if not lasts or not all(lasts):
+            return None
+        return time.monotonic() - min(lasts)
 
     def problem(self, warmup_request: bool = False) -> str | None:
         """Why the server cannot take requests now; None when it can (`warmup_request`: one of the warm-up's)."""

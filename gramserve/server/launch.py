@@ -18,13 +18,19 @@ import time
 import uvicorn
 
 from gramserve.config import ServerArgs, ServerConfig
-from gramserve.server.processes import EngineProcesses, StartupError, start_engine_processes
+from gramserve.server.processes import EngineProcesses, StartupError, run_follower_node, start_engine_processes
 
 logger = logging.getLogger("gramserve")
 
 
 def launch_server(args: ServerArgs) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s [main] %(levelname)s %(message)s")
+    if args.node_rank > 0:  # multi-node: this host runs only its tensor-parallel ranks
+        try:
+            return run_follower_node(args)
+        except (StartupError, ValueError) as exc:
+            logger.error("%s", exc)
+            return 1
     try:
         engine = start_engine_processes(args)
     except (StartupError, ValueError) as exc:

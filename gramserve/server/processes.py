@@ -12,6 +12,7 @@ import functools
 import logging
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -24,9 +25,12 @@ from gramserve.config import LaunchInfo, ServerArgs, ServerConfig, Settings, spl
 from gramserve.detokenizer.process import run_detokenizer_process
 from gramserve.grammar.grammar_shm import create_grammar_shm
 from gramserve.grammar.worker import run_grammar_worker, worker_name
+from gramserve.ipc import SCHEDULER_IN, push_socket
+from gramserve.messages import ReplicaDown
 from gramserve.model.loader import default_tokenizer_dir, load_config_dict, resolve_model
 from gramserve.model.model_config import ModelConfig
 from gramserve.model.parallel import TPConfig
+from gramserve.scheduler.dp_controller import run_dp_controller_process
 from gramserve.scheduler.process import run_scheduler_process
 from gramserve.scheduler.tp_worker import run_tp_worker_process
 from gramserve.server.health import ServerHealth
@@ -191,23 +195,42 @@ class EngineProcesses:
     health: ServerHealth
     procs: dict[str, mp.Process] = field(default_factory=dict)
     _ipc_dir: str = ""
-    _shm: Any = None
+    _shms: list = field(default_factory=list)
 
     def dead_child(self) -> str | None:
         return next((name for name, proc in self.procs.items() if not proc.is_alive()), None)
 
     def watch(self, on_death: Callable[[str], None], should_stop: Callable[[], bool]) -> threading.Thread:
-        """A daemon thread that calls `on_death(name)` once when a child process dies (health records it first)."""
+        """A daemon thread that calls `on_death(name)` once when a child process dies (health records it first).
+        Under data parallelism a process of one replica takes down only that replica (its other processes are
+        stopped and the controller fails its requests) while another replica lives."""
 
         def loop() -> None:
+            to_controller = None
             while not should_stop():
                 name = self.dead_child()
-                if name is not None:
-                    logger.error("%s process died (exit code %s); shutting down", name, self.procs[name].exitcode)
-                    self.health.dead_child = name
-                    on_death(name)
-                    return
-                time.sleep(0.5)
+                if name is None:
+                    time.sleep(0.5)
+                    continue
+                code = self.procs[name].exitcode
+                replica = replica_of(name)
+                alive = [r for r in range(self.config.args.dp_size) if r not in self.health.dead_replicas]
+                if replica is not None and alive != [replica]:
+                    logger.error("%s process died (exit code %s); replica %d stops, the others serve", name, code,
+                                 replica)  # fmt: skip
+                    self.health.dead_replicas.add(replica)
+                    _stop_processes({n: p for n, p in self.procs.items() if replica_of(n) == replica})
+                    self.procs = {n: p for n, p in self.procs.items() if replica_of(n) != replica}
+                    if to_controller is None:  # this thread's own socket (zmq sockets stay in their thread)
+                        import zmq
+
+                        to_controller = push_socket(zmq.Context.instance(), self.config.ipc_path(SCHEDULER_IN))
+                    to_controller.send_pyobj(ReplicaDown(replica, f"its {name} process died"))
+                    continue
+                logger.error("%s process died (exit code %s); shutting down", name, code)
+                self.health.dead_child = name
+                on_death(name)
+                return
 
         thread = threading.Thread(target=loop, name="child-watchdog", daemon=True)
         thread.start()
@@ -218,10 +241,29 @@ class EngineProcesses:
         _stop_processes(self.procs)
         self.procs = {}
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
-        if self._shm is not None:
-            self._shm.close()
-            self._shm.unlink()
-            self._shm = None
+        for shm in self._shms:
+            shm.close()
+            shm.unlink()
+        self._shms = []
+
+
+def replica_of(process_name: str) -> int | None:
+    """The data-parallel replica a child process belongs to (its name ends in -dpN or holds -dpN-), else None."""
+    match = re.search(r"-dp(\d+)(?:-|$)", process_name)
+    return int(match.group(1)) if match else None
+
+
+def replica_config(config: ServerConfig, replica: int, grammar_shm: str) -> ServerConfig:
+    """The configuration of replica `replica`'s processes: its own grammar memory, sockets and share of the grammar
+    workers."""
+    args, settings = config.args, config.settings
+    if args.dp_size == 1:
+        return dataclasses.replace(config, launch=dataclasses.replace(config.launch, grammar_shm=grammar_shm))
+    folder = os.path.join(config.launch.ipc_dir, f"dp{replica}")
+    os.makedirs(folder, exist_ok=True)
+    launch = dataclasses.replace(config.launch, grammar_shm=grammar_shm, replica=replica, replica_ipc_dir=folder)
+    shards = max(1, settings.grammar_shards // args.dp_size)
+    return ServerConfig(args, dataclasses.replace(settings, grammar_shards=shards), launch)
 
 
 def start_engine_processes(args: ServerArgs) -> EngineProcesses:
@@ -232,7 +274,7 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
         set_nccl_environment()
     ctx = mp.get_context("spawn")
     procs: dict[str, mp.Process] = {}
-    shm = None
+    shms = []
     try:
         from transformers import AutoTokenizer
 
@@ -243,37 +285,87 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
         if args.chat_template:
             tokenizer.chat_template = read_chat_template(args.chat_template)
         launch = derive_launch_info(args, tokenizer_dir, ipc_dir, tokenizer)
-        shm = create_grammar_shm(settings.max_running_requests, launch.vocab_size)
-        launch = dataclasses.replace(launch, grammar_shm=shm.name, dist_init_methods=dist_init_methods(args))
+        launch = dataclasses.replace(launch, dist_init_methods=dist_init_methods(args))
         config = ServerConfig(args, settings, launch)
         pipes = {}
-        heartbeat = ctx.Value("d", 0.0, lock=False)  # the scheduler loop's last time.monotonic() (health.py)
-        health = ServerHealth(heartbeat, args.watchdog_timeout, warming=not args.skip_warmup)
-        children = [
-            ("scheduler", functools.partial(run_scheduler_process, heartbeat=heartbeat, tp=tp_config(config, 0, 0))),
-            ("detokenizer", run_detokenizer_process),
-        ]
-        children += tp_worker_children(config, 0, 0)
-        children += [
-            (worker_name(i, settings.grammar_shards), functools.partial(run_grammar_worker, shard=i))
-            for i in range(settings.grammar_shards)
-        ]
-        for name, target in children:
+        # Each replica's scheduler loop writes its last time.monotonic() into its heartbeat (health.py).
+        heartbeats = [ctx.Value("d", 0.0, lock=False) for _ in range(args.dp_size)]
+        health = ServerHealth(heartbeats, args.watchdog_timeout, warming=not args.skip_warmup)
+        children: list[tuple[str, Callable, ServerConfig]] = [("detokenizer", run_detokenizer_process, config)]
+        if args.dp_size > 1:
+            children.append(("dp-controller", run_dp_controller_process, config))
+        schedulers = []
+        for replica in range(args.dp_size):
+            shms.append(create_grammar_shm(settings.max_running_requests, launch.vocab_size))
+            rconfig = replica_config(config, replica, shms[-1].name)
+            if replica == 0:
+                config = dataclasses.replace(config, launch=dataclasses.replace(launch, grammar_shm=shms[0].name))
+            suffix = f"-dp{replica}" if args.dp_size > 1 else ""
+            tp = tp_config(rconfig, replica, 0)
+            schedulers.append(f"scheduler{suffix}")
+            entry = functools.partial(run_scheduler_process, heartbeat=heartbeats[replica], tp=tp)
+            children.append((schedulers[-1], entry, rconfig))
+            children += [(name, target, rconfig) for name, target in tp_worker_children(rconfig, replica, 0)]
+            shards = rconfig.settings.grammar_shards
+            children += [
+                (worker_name(i, shards) + suffix, functools.partial(run_grammar_worker, shard=i), rconfig)
+                for i in range(shards)
+            ]
+        for name, target, child_config in children:
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child_entry, args=(target, child_config, writer), name=name)
+            proc.start()
+            procs[name], pipes[name] = proc, reader
+        for name, _, _ in children:
+            if name not in schedulers:
+                _wait_ready(name, procs[name], pipes[name])
+        ready = [_wait_ready(name, procs[name], pipes[name]) for name in schedulers]
+        return EngineProcesses(config, tokenizer, ready[0]["runner"], health, procs, ipc_dir, shms)
+    except BaseException:
+        _stop_processes(procs)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+        for shm in shms:
+            shm.close()
+            shm.unlink()
+        raise
+
+
+def run_follower_node(args: ServerArgs) -> int:
+    """A host other than node 0 (`--node-rank` > 0): start its tensor-parallel ranks, wait while they serve node 0's
+    steps, and exit when they do (node 0 stopped) or on SIGTERM / Ctrl-C. It runs no HTTP server, tokenizer,
+    detokenizer or grammar process; its arguments must match node 0's."""
+    set_nccl_environment()
+    settings = resolve_settings(args)
+    model_cfg = ModelConfig.from_dict(load_config_dict(resolve_model(args.model_path, args.load_format)[0]))
+    launch = LaunchInfo(vocab_size=model_cfg.vocab_size, dist_init_methods=dist_init_methods(args))
+    config = ServerConfig(args, settings, launch)
+    ctx = mp.get_context("spawn")
+    procs, pipes = {}, {}
+
+    def on_sigterm(_signum, _frame) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        for name, target in tp_worker_children(config, 0, args.node_rank):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_child_entry, args=(target, config, writer), name=name)
             proc.start()
             procs[name], pipes[name] = proc, reader
-        for name, _ in children[1:]:
-            _wait_ready(name, procs[name], pipes[name])
-        ready = _wait_ready("scheduler", procs["scheduler"], pipes["scheduler"])
-        return EngineProcesses(config, tokenizer, ready["runner"], health, procs, ipc_dir, shm)
-    except BaseException:
+        logger.info("node %d of %d: tensor-parallel ranks %s joining %s", args.node_rank, args.nnodes,
+                    ", ".join(procs), args.dist_init_addr)  # fmt: skip
+        for name, proc in procs.items():
+            _wait_ready(name, proc, pipes[name], timeout=1800)
+        logger.info("node %d ready; serving node 0's steps", args.node_rank)
+        while all(proc.is_alive() for proc in procs.values()):
+            time.sleep(0.5)
+        codes = {name: proc.exitcode for name, proc in procs.items() if not proc.is_alive()}
+        logger.info("rank process ended %s; node %d stops", codes, args.node_rank)
+        return 0 if all(code == 0 for code in codes.values()) else 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
         _stop_processes(procs)
-        shutil.rmtree(ipc_dir, ignore_errors=True)
-        if shm is not None:
-            shm.close()
-            shm.unlink()
-        raise
 
 
 def _stop_processes(procs: dict[str, mp.Process]) -> None:
