@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("--model-args", required=True, help="gramserve serve arguments shared by every setup")
     p.add_argument("--setup", action="append", required=True, help="NAME=EXTRA ARGS (repeat)")
     p.add_argument("--burst", type=int, default=1000, help="requests of the burst workload (0: skip it)")
+    p.add_argument("--burst-runs", type=int, default=2, help="times the burst runs (the first warms the server)")
     p.add_argument("--decode-prompts", type=int, default=8, help="requests of the batch-1 workload (0: skip it)")
     p.add_argument("--output-dir", default="benchmarks/results/parallel")
     p.add_argument("--port", type=int, default=30200)
@@ -80,7 +81,7 @@ def main() -> None:
                     "--num-prompts", str(a.decode_prompts), "--max-concurrency", "1", "--random-input-len", "128",
                     "--random-output-len", "256", "--random-range-ratio", "1"])  # fmt: skip
                 row["decode_tpot_ms"] = round(s["tpot_ms"]["mean"], 2)
-            for run in (1, 2) if a.burst else ():
+            for run in range(1, a.burst_runs + 1) if a.burst else ():
                 s = bench(a.port, f"{name} burst{run}", out, [
                     "--num-prompts", str(a.burst), "--random-input-len", "400", "--random-output-len", "360",
                     "--random-range-ratio", "0", "--seed", str(run)])  # fmt: skip
