@@ -7,6 +7,8 @@ For each setup (a name and the extra `gramserve serve` arguments) it starts the 
 * `burst`: N requests at once (prompt uniform 0-400, output uniform 0-360 tokens, ignore_eos; issue 20's workload),
   run twice (the first warms the server); output tok/s, TTFT and TPOT.
 
+The lengths and counts are options (smaller ones for a CPU).
+
 Example (two GPUs, the 8B shape with dummy weights)::
 
     python benchmarks/bench_parallel.py --model-args "--model-path llama-3.1-8b.json --load-format dummy \\
@@ -64,6 +66,9 @@ def main() -> None:
     p.add_argument("--setup", action="append", required=True, help="NAME=EXTRA ARGS (repeat)")
     p.add_argument("--burst", type=int, default=1000, help="requests of the burst workload (0: skip it)")
     p.add_argument("--burst-runs", type=int, default=2, help="times the burst runs (the first warms the server)")
+    p.add_argument("--decode-output-len", type=int, default=256)
+    p.add_argument("--burst-input-len", type=int, default=400, help="prompts uniform 0..this")
+    p.add_argument("--burst-output-len", type=int, default=360, help="outputs uniform 0..this")
     p.add_argument("--decode-prompts", type=int, default=8, help="requests of the batch-1 workload (0: skip it)")
     p.add_argument("--output-dir", default="benchmarks/results/parallel")
     p.add_argument("--port", type=int, default=30200)
@@ -79,11 +84,12 @@ def main() -> None:
             if a.decode_prompts:
                 s = bench(a.port, f"{name} decode", out, [
                     "--num-prompts", str(a.decode_prompts), "--max-concurrency", "1", "--random-input-len", "128",
-                    "--random-output-len", "256", "--random-range-ratio", "1"])  # fmt: skip
+                    "--random-output-len", str(a.decode_output_len), "--random-range-ratio", "1"])  # fmt: skip
                 row["decode_tpot_ms"] = round(s["tpot_ms"]["mean"], 2)
             for run in range(1, a.burst_runs + 1) if a.burst else ():
                 s = bench(a.port, f"{name} burst{run}", out, [
-                    "--num-prompts", str(a.burst), "--random-input-len", "400", "--random-output-len", "360",
+                    "--num-prompts", str(a.burst), "--random-input-len", str(a.burst_input_len),
+                    "--random-output-len", str(a.burst_output_len),
                     "--random-range-ratio", "0", "--seed", str(run)])  # fmt: skip
                 row[f"burst{run}_tok_s"] = round(s["output_throughput"])
                 row[f"burst{run}_ttft_ms"] = round(s["ttft_ms"]["mean"])

@@ -37,6 +37,7 @@ class TPConfig:
     init_method: str = ""  # tcp://host:port of rank 0's store; "" with size 1
     device_index: int = 0  # CUDA device of this rank
     channel_host: str = "127.0.0.1"  # where followers reach rank 0's step channel (model/tp_step.py)
+    one_host: bool = True  # every rank on this host: CPU collectives go through shared memory
 
 
 def split_range(n: int, parts: int, index: int) -> tuple[int, int]:
@@ -148,6 +149,7 @@ class TPGroup:
         self.size, self.rank = config.size, config.rank
         self.device = device or torch.device("cpu")
         self.cpu_group = None
+        self.shm = None  # one host's CPU ranks: shared-memory collectives (model/shm_collectives.py)
         if self.size == 1:
             return
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -162,6 +164,16 @@ class TPGroup:
         )
         # Small host-side exchanges (the KV pool size, the step channel's address) go over gloo on every device.
         self.cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+        if backend == "gloo" and config.one_host:
+            from gramserve.model.shm_collectives import ShmCollectives
+
+            self.shm = ShmCollectives(self.rank, self.size, None if self.is_driver else self.broadcast_object())
+            if self.is_driver:
+                self.broadcast_object(self.shm.name)
+            dist.barrier(group=self.cpu_group)
+            if self.is_driver:
+                self.shm.unlink()
+            backend = "shared memory"
         logger.info("tensor parallel rank %d of %d joined (%s)", self.rank, self.size, backend)
 
     @property
@@ -171,6 +183,8 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the ranks, in place."""
+        if self.shm is not None:
+            return self.shm.all_reduce(x)
         if self.size > 1:
             dist.all_reduce(x)
         return x
@@ -180,7 +194,9 @@ class TPGroup:
         if self.size == 1:
             return x[:, :width] if x.shape[1] != width else x
         x = x.contiguous()
-        if x.is_cuda:
+        if self.shm is not None:
+            out = self.shm.all_gather(x)
+        elif x.is_cuda:
             out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
             dist.all_gather_into_tensor(out, x)
         else:
@@ -191,6 +207,8 @@ class TPGroup:
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Rank 0's x into every rank's x (same shape and dtype on every rank)."""
+        if self.shm is not None:
+            return self.shm.broadcast(x)
         if self.size > 1:
             dist.broadcast(x, src=0)
         return x

@@ -119,6 +119,7 @@ def tp_config(config: ServerConfig, replica: int, rank: int) -> TPConfig:
         init_method=config.launch.dist_init_methods[replica],
         device_index=replica * args.tp_size + rank % per_node,
         channel_host=channel_host,
+        one_host=args.nnodes == 1,
     )
 
 
