@@ -50,6 +50,7 @@ class TokenizedGenerateReq:
     priority: int = 0  # lower runs first
     lora_id: int = 0  # the LoRA adapter (ids from the main process's registry); 0: the base model
     images: tuple[ImageInput, ...] = ()  # the prompt's images, in order (vision-language models)
+    replica: int = -1  # data parallelism: the replica that must run it (the warm-up's); -1: the controller picks
 
 
 @dataclass

@@ -74,7 +74,9 @@ class Router:
     def route(self, req: TokenizedGenerateReq) -> int | None:
         if not self.alive:
             return None
-        if self.method == "round_robin":
+        if req.replica in self.alive:  # pinned (the warm-up runs every case on every replica)
+            replica = req.replica
+        elif self.method == "round_robin":
             replica = self.alive[next(self._turn) % len(self.alive)]
         elif self.method == "prefix_affinity":
             replica = self._by_prefix(tuple(req.input_ids[:AFFINITY_PREFIX_TOKENS]))

@@ -239,6 +239,7 @@ class TokenizerManager:
         watch_calls: Callable[[], ChoiceStream] | None = None,
         lora: str | None = None,
         images: tuple[ImageInput, ...] = (),
+        replica: int = -1,
     ) -> AsyncIterator[GenerateOutput]:
         """Stream one request's outputs (of the LoRA adapter named `lora`, if any; `images`: the prompt's).
 
@@ -260,7 +261,7 @@ class TokenizerManager:
         watch = RequestWatch(self.metrics, grammar.kind if grammar else None) if measured else None
         lora_id = self.lora.acquire(lora)  # an unload waits for this request
         args = (return_logprob, top_logprobs, grammar, priority, is_disconnected, target, watch_calls, watch, lora_id)
-        args += (images,)
+        args += (images, replica)  # replica: data parallelism's pin (the warm-up's); -1 for every other request
         try:
             if not (retry_invalid and self.check_retries > 0 and target is not None):
                 async for out in self._attempt(rid, input_ids, sampling, *args):
@@ -314,6 +315,7 @@ class TokenizerManager:
         watch: RequestWatch | None,
         lora_id: int = 0,
         images: tuple[ImageInput, ...] = (),
+        replica: int = -1,
     ) -> AsyncIterator[GenerateOutput]:
         """One engine request: send it, stream its outputs, check a constrained output at its end."""
         self.start()
@@ -326,7 +328,7 @@ class TokenizerManager:
         self.states[rid] = state
         self.to_scheduler.send_pyobj(
             TokenizedGenerateReq(
-                rid, input_ids, sampling, return_logprob, top_logprobs, grammar, priority, lora_id, images
+                rid, input_ids, sampling, return_logprob, top_logprobs, grammar, priority, lora_id, images, replica
             )
         )
         loop = asyncio.get_running_loop()

@@ -113,7 +113,12 @@ def _prompt(tm, tokens: int, offset: int) -> list[int]:
     return ids
 
 
-async def _run_case(tm, case: WarmupCase, index: int) -> None:
+async def _run_case(tm, case: WarmupCase, index: int, replicas: int = 1) -> None:
+    """One case; under data parallelism once on every replica, at the same time."""
+    await asyncio.gather(*(_run_case_on(tm, case, index, r if replicas > 1 else -1) for r in range(replicas)))
+
+
+async def _run_case_on(tm, case: WarmupCase, index: int, replica: int) -> None:
     ids = _prompt(tm, case.prompt_tokens, case.prompt_offset)
     images = ()
     if case.image:
@@ -123,7 +128,7 @@ async def _run_case(tm, case: WarmupCase, index: int) -> None:
         ids, images = tm.images.expand(ids[:4] + [tm.images.image_token_id] + ids[4:], [gradient])
 
     async def one(copy: int) -> None:
-        rid = f"{WARMUP_RID_PREFIX}{index}-{copy}"
+        rid = f"{WARMUP_RID_PREFIX}{index}-{copy}" if replica < 0 else f"{WARMUP_RID_PREFIX}{index}-r{replica}-{copy}"
         prompt = ids if copy == 0 else ids[:-1] + [ids[-1] + copy]  # distinct last tokens: one batch, not one cache hit
         async for _ in tm.generate(
             prompt,
@@ -134,13 +139,14 @@ async def _run_case(tm, case: WarmupCase, index: int) -> None:
             grammar=case.grammar,
             lora=case.lora,
             images=images,
+            replica=replica,
         ):
             pass
 
     await asyncio.gather(*(one(c) for c in range(case.copies)))
 
 
-async def warm_up(tm, cases: list[WarmupCase], timeout: float = 600.0) -> float:
+async def warm_up(tm, cases: list[WarmupCase], timeout: float = 600.0, replicas: int = 1) -> float:
     """Run the cases one after the other; returns the seconds taken. A failing case is logged and skipped: the
     warm-up never keeps a server that can serve from turning ready."""
     from tqdm import tqdm
@@ -154,7 +160,7 @@ async def warm_up(tm, cases: list[WarmupCase], timeout: float = 600.0) -> float:
             bar.set_postfix_str(case.name)
             start = time.monotonic()
             try:
-                await asyncio.wait_for(_run_case(tm, case, i), timeout=max(1.0, timeout - (start - t0)))
+                await asyncio.wait_for(_run_case(tm, case, i, replicas), timeout=max(1.0, timeout - (start - t0)))
             except Exception as exc:  # noqa: BLE001 - reported, then the next case
                 logger.warning("warm-up case %r failed: %s", case.name, exc)
             timings.append(f"{case.name} {time.monotonic() - start:.2f} s")
@@ -178,6 +184,6 @@ async def warm_up_server(config, tm, runner_info: dict) -> None:
         greedy = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
         cases.append(WarmupCase("image", 16, greedy, copies=2, prompt_offset=7, image=True))
     try:
-        await warm_up(tm, cases)
+        await warm_up(tm, cases, replicas=config.args.dp_size)
     finally:
         tm.health.warming = False
