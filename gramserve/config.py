@@ -227,6 +227,8 @@ class ServerArgs:
                 raise ValueError("nnodes > 1 needs dist_init_addr (host:port of node 0)")
         if self.dist_init_addr is not None:
             split_host_port(self.dist_init_addr)
+        if self.tp_size > 1 and self.lora_enabled:
+            raise ValueError("LoRA adapters with tp_size > 1 are not supported yet; use tp_size 1 (dp_size scales)")
         if self.load_balance_method not in LOAD_BALANCE_METHODS:
             raise ValueError(f"load_balance_method must be one of {LOAD_BALANCE_METHODS}")
         if self.max_lora_rank is not None and not 1 <= self.max_lora_rank <= 1024:

@@ -28,8 +28,8 @@ from gramserve.grammar.worker import run_grammar_worker, worker_name
 from gramserve.ipc import SCHEDULER_IN, push_socket
 from gramserve.messages import ReplicaDown
 from gramserve.model.loader import default_tokenizer_dir, load_config_dict, resolve_model
-from gramserve.model.model_config import ModelConfig
-from gramserve.model.parallel import TPConfig
+from gramserve.model.model_config import ModelConfig, UnsupportedModelError
+from gramserve.model.parallel import Partition, TPConfig
 from gramserve.scheduler.dp_controller import run_dp_controller_process
 from gramserve.scheduler.process import run_scheduler_process
 from gramserve.scheduler.tp_worker import run_tp_worker_process
@@ -86,6 +86,30 @@ def read_chat_template(value: str) -> str:
     if value.endswith((".jinja", ".j2", ".txt")):
         raise StartupError(f"--chat-template: no such file {value!r}")
     return value
+
+
+def check_parallel_fit(args: ServerArgs, model_cfg: ModelConfig) -> None:
+    """Refuse, before any process starts, a tensor-parallel size the model cannot be split into, or GPUs that this
+    host does not have."""
+    if args.tp_size == 1:
+        return
+    try:
+        Partition.of(model_cfg, 0, args.tp_size)
+    except UnsupportedModelError as exc:
+        raise StartupError(str(exc)) from None
+    if model_cfg.vision is not None:
+        raise StartupError("a vision-language model with tp_size > 1 is not supported yet; use tp_size 1")
+
+
+def check_devices(args: ServerArgs, settings: Settings) -> None:
+    if settings.device != "cuda":
+        return
+    import torch
+
+    need = args.tp_size // args.nnodes * args.dp_size
+    have = torch.cuda.device_count()
+    if need > have:
+        raise StartupError(f"tp_size / nnodes x dp_size = {need} GPUs on this host, but it has {have}")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -172,6 +196,7 @@ def derive_launch_info(args: ServerArgs, tokenizer_dir: str, ipc_dir: str, token
     """What the child processes need besides the arguments: the tokenizer folder, the vocabulary, EOS ids and
     the resolved parsers (the grammar shared memory's name is added once it exists)."""
     model_cfg = ModelConfig.from_dict(load_config_dict(resolve_model(args.model_path, args.load_format)[0]))
+    check_parallel_fit(args, model_cfg)
     eos = set(model_cfg.eos_token_ids)
     if tokenizer.eos_token_id is not None:
         eos.add(tokenizer.eos_token_id)
@@ -281,6 +306,7 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
 
         settings = resolve_settings(args)
         logger.info("settings: %s", describe_settings(settings))
+        check_devices(args, settings)
         tokenizer_dir = tokenizer_dir_for(args)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         if args.chat_template:
@@ -337,6 +363,7 @@ def run_follower_node(args: ServerArgs) -> int:
     detokenizer or grammar process; its arguments must match node 0's."""
     set_nccl_environment()
     settings = resolve_settings(args)
+    check_devices(args, settings)
     model_cfg = ModelConfig.from_dict(load_config_dict(resolve_model(args.model_path, args.load_format)[0]))
     launch = LaunchInfo(vocab_size=model_cfg.vocab_size, dist_init_methods=dist_init_methods(args))
     config = ServerConfig(args, settings, launch)
