@@ -120,5 +120,6 @@ def test_two_replicas_serve_and_one_dies_alone(tmp_path):
         assert info["data_parallel"]["alive"] == [0]
         assert wait_pool_whole(srv.base_url)["used_slots"] == 0
         assert "replica 1 stops, the others serve" in srv.log()
+        assert "tensor parallel 1 x data parallel 2 (round_robin)" in srv.log()
     finally:
         assert srv.stop() == 0, srv.log()[-3000:]

@@ -63,6 +63,10 @@ def startup_summary(config: ServerConfig, runner_info: dict) -> str:
         f"context {runner_info['context_length']}",
         f"max running {settings.max_running_requests}",
         f"grammar {args.grammar_backend} ({settings.grammar_shards} workers)",
+    ]
+    if args.tp_size > 1 or args.dp_size > 1:  # KV pool and max running are each replica's; workers all replicas'
+        parts.append(f"tensor parallel {args.tp_size} x data parallel {args.dp_size} ({args.load_balance_method})")
+    parts += [
         f"tool calls {config.launch.tool_call_parser}",
         f"reasoning {args.reasoning_parser or 'off'}",
         f"API key {'on' if args.api_key else 'off'}",
