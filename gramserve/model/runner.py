@@ -83,7 +83,8 @@ class ModelRunner:
         t0 = time.time()
         self.cfg = cfg = config
         self.device = torch.device(cfg.device)
-        if self.device.type == "cuda" and self.device.index is None:  # this rank's / replica's GPU
+        parallel = cfg.tp.size > 1 or cfg.tp.device_index > 0
+        if self.device.type == "cuda" and self.device.index is None and parallel:  # this rank's / replica's GPU
             self.device = torch.device("cuda", cfg.tp.device_index)
             torch.cuda.set_device(self.device)
         self.dtype = getattr(torch, cfg.dtype)
