@@ -181,6 +181,23 @@ class BatchTokenOut:
     skip_special_tokens: list[bool]
     grammar_backends: list[str | None] = field(default_factory=list)
 
+    @classmethod
+    def aborted(cls, rids: list[str], message: str, status_code: int) -> BatchTokenOut:
+        """The output that ends these requests with an abort, no token produced (a failed arrival, a dead replica)."""
+        n = len(rids)
+        return cls(
+            rids=list(rids),
+            new_token_ids=[[] for _ in rids],
+            finished=[FinishReason("abort", message=message, status_code=status_code) for _ in rids],
+            prompt_tokens=[0] * n,
+            completion_tokens=[0] * n,
+            cached_tokens=[0] * n,
+            logprobs=[None] * n,
+            stop_strs=[()] * n,
+            skip_special_tokens=[True] * n,
+            grammar_backends=[None] * n,
+        )
+
 
 @dataclass
 class BatchTextOut:

@@ -37,7 +37,6 @@ from gramserve.messages import (
     BatchTokenOut,
     ControlReq,
     ControlResp,
-    FinishReason,
     ReplicaDown,
     ReplicaFinished,
     TokenizedGenerateReq,
@@ -116,22 +115,6 @@ class Router:
         return lost
 
 
-def failed_output(rids: list[str], message: str, status: int) -> BatchTokenOut:
-    n = len(rids)
-    return BatchTokenOut(
-        rids=list(rids),
-        new_token_ids=[[] for _ in rids],
-        finished=[FinishReason("abort", message=message, status_code=status) for _ in rids],
-        prompt_tokens=[0] * n,
-        completion_tokens=[0] * n,
-        cached_tokens=[0] * n,
-        logprobs=[None] * n,
-        stop_strs=[()] * n,
-        skip_special_tokens=[True] * n,
-        grammar_backends=[None] * n,
-    )
-
-
 def _sum_counts(reports: list[dict]) -> dict:
     """Numbers added over the reports (nested dicts key by key); anything else taken from the first."""
     out = dict(reports[0])
@@ -181,7 +164,7 @@ class Controller:
         if isinstance(msg, TokenizedGenerateReq):
             replica = self.router.route(msg)
             if replica is None:
-                self.to_detok.send_pyobj(failed_output([msg.rid], "no model replica is alive", 503))
+                self.to_detok.send_pyobj(BatchTokenOut.aborted([msg.rid], "no model replica is alive", 503))
             else:
                 self.to_replica[replica].send_pyobj(msg)
         elif isinstance(msg, AbortReq):
@@ -210,7 +193,7 @@ class Controller:
         logger.error("replica %d is down (%s): failing its %d requests", replica, reason, len(lost))
         if lost:
             message = f"the model replica serving this request failed ({reason}); retry"
-            self.to_detok.send_pyobj(failed_output(lost, message, 503))
+            self.to_detok.send_pyobj(BatchTokenOut.aborted(lost, message, 503))
         for query in self.queries.values():
             query.waiting.discard(replica)
         self._answer_ready()

@@ -469,18 +469,7 @@ class Scheduler:
         if self.grammar_wait.pop(rid, None) is not None:
             self.grammar.free(rid)
         self.admission.withdraw(rid)
-        return BatchTokenOut(
-            rids=[rid],
-            new_token_ids=[[]],
-            finished=[FinishReason("abort", message=message, status_code=500)],
-            prompt_tokens=[0],
-            completion_tokens=[0],
-            cached_tokens=[0],
-            logprobs=[None],
-            stop_strs=[()],
-            skip_special_tokens=[True],
-            grammar_backends=[None],
-        )
+        return BatchTokenOut.aborted([rid], message, 500)
 
     def abort_all(self, message: str) -> BatchTokenOut:
         chunked = self.admission.chunked
