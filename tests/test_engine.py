@@ -113,6 +113,35 @@ def test_streams_end_with_the_whole_answer(engine):
     assert text == whole["text"]
 
 
+def test_a_consumer_that_falls_behind_gets_what_it_missed_in_one_output(engine):
+    """The TokenizerManager hands a request's generator everything that arrived since it last ran, as one output
+    (what keeps the HTTP server's event loop from falling behind under load): nothing lost, nothing repeated."""
+    from gramserve.sampling.params import SamplingParams
+
+    tm = engine.tm
+    ids = tm.encode("Once upon a time")
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+
+    async def read(slow: bool):
+        outs = []
+        async for out in tm.generate(ids, params, return_logprob=True, top_logprobs=2, streamed=True):
+            outs.append(out)
+            if slow and len(outs) == 1:
+                await asyncio.sleep(2.0)  # the engine runs on meanwhile: its outputs wait in the request's state
+        return outs
+
+    def run(slow: bool):
+        return asyncio.run_coroutine_threadsafe(read(slow), engine._loop).result(120)
+
+    fast, slow = run(False), run(True)
+    for outs in (fast, slow):
+        assert [t for o in outs for t in o.token_ids] == [t for o in fast for t in o.token_ids]
+        assert "".join(o.text for o in outs) == "".join(o.text for o in fast)
+        assert [lp.token_id for o in outs for lp in o.logprobs] == [t for o in fast for t in o.token_ids]
+        assert outs[-1].completion_tokens == 24 and outs[-1].finish_reason == "length"
+    assert len(slow) < len(fast) and max(len(o.token_ids) for o in slow) > 1
+
+
 def test_the_async_api_runs_requests_together(engine):
     async def main():
         outs = await asyncio.gather(*(engine.async_generate(f"Item {i}:", GREEDY) for i in range(4)))

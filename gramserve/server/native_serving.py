@@ -95,6 +95,7 @@ class NativeServing:
                 is_disconnected=is_disconnected,
                 retry_invalid=whole,
                 lora=lora,
+                streamed=not whole,
             )
         )
 

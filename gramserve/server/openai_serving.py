@@ -152,6 +152,7 @@ class OpenAIServing:
                 watch_calls=watch_calls,
                 lora=lora,
                 images=images,
+                streamed=not whole,
             )
             for i in range(n)
         ]

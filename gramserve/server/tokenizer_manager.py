@@ -15,7 +15,7 @@ import logging
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import zmq
@@ -101,10 +101,55 @@ def _image_processor(config: ServerConfig, tokenizer, vocab_size: int) -> tuple[
     return image_processor(model_cfg, path if os.path.isdir(path) else None, tokenizer, vocab_size), limits
 
 
-@dataclass
 class _ReqState:
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    finished: bool = False
+    """A request's outputs that its generator has not taken yet, and the future that generator sleeps on.
+
+    A generator takes everything that arrived since it last ran, and `_attempt` merges it into one output: when the
+    event loop falls behind the scheduler under load, a stream sends fewer, larger chunks instead of falling further
+    behind (one chunk costs the loop about as much as one token did)."""
+
+    __slots__ = ("pending", "waiter", "finished")
+
+    def __init__(self) -> None:
+        self.pending: list[GenerateOutput | Exception] = []
+        self.waiter: asyncio.Future | None = None
+        self.finished = False
+
+    def put(self, item: GenerateOutput | Exception) -> None:
+        self.pending.append(item)
+        self.wake()
+
+    def wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def take(self) -> list[GenerateOutput | Exception]:
+        """What arrived since the last take; [] when only woken (the periodic tick of `_tick_loop`)."""
+        if not self.pending:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.pending = self.pending, []
+        return items
+
+
+def merge_outputs(outs: list[GenerateOutput]) -> GenerateOutput:
+    """Consecutive outputs of one request as one (the last one's counts and finish; texts, ids, logprobs joined)."""
+    if len(outs) == 1:
+        return outs[0]
+    logprobs = None
+    if any(o.logprobs is not None for o in outs):
+        logprobs = [lp for o in outs for lp in o.logprobs or ()]
+    return replace(
+        outs[-1],
+        text="".join(o.text for o in outs),
+        token_ids=[t for o in outs for t in o.token_ids],
+        logprobs=logprobs,
+        grammar_backend=next((o.grammar_backend for o in reversed(outs) if o.grammar_backend), None),
+    )
 
 
 class TokenizerManager:
@@ -130,6 +175,7 @@ class TokenizerManager:
         self._recv_task: asyncio.Task | None = None
         self._closed = False  # close() ran: nothing more is sent or received
         self._health_task: asyncio.Task | None = None
+        self._tick_task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.output_checker = OutputChecker()
         self.lora = LoRARegistry(config, self.control)
@@ -148,15 +194,16 @@ class TokenizerManager:
         if self._recv_task is None:
             self._loop = loop = asyncio.get_running_loop()
             self._recv_task = loop.create_task(self._recv_loop())
+            self._tick_task = loop.create_task(self._tick_loop())
             if self.health is not None:
                 self._health_task = loop.create_task(self._watch_health())
 
     def close(self) -> None:
         """Stop receiving and release the sockets and the prep threads (an Engine's shutdown; on its event loop)."""
-        for task in (self._recv_task, self._health_task):
+        for task in (self._recv_task, self._health_task, self._tick_task):
             if task is not None:
                 task.cancel()
-        self._recv_task = self._health_task = None
+        self._recv_task = self._health_task = self._tick_task = None
         self._closed = True
         self.ctx.destroy(linger=0)
         self._prep.shutdown(wait=False, cancel_futures=True)
@@ -164,7 +211,7 @@ class TokenizerManager:
     def fail_all(self, message: str) -> int:
         """End every request in flight with a 503 (raised by its generator); returns how many there were."""
         for state in self.states.values():
-            state.queue.put_nowait(EngineUnavailableError(message))
+            state.put(EngineUnavailableError(message))
         return len(self.states)
 
     def fail_all_threadsafe(self, message: str) -> None:
@@ -175,6 +222,14 @@ class TokenizerManager:
     @property
     def in_flight(self) -> int:
         return len(self.states)
+
+    async def _tick_loop(self) -> None:
+        """Wake every request's generator now and then, so that one waiting for its next output still checks its
+        client and its deadline (one timer for all, instead of a timeout on every wait)."""
+        while True:
+            await asyncio.sleep(DISCONNECT_CHECK_S)
+            for state in self.states.values():
+                state.wake()
 
     async def _watch_health(self) -> None:
         while True:
@@ -240,6 +295,7 @@ class TokenizerManager:
         lora: str | None = None,
         images: tuple[ImageInput, ...] = (),
         replica: int = -1,
+        streamed: bool = False,
     ) -> AsyncIterator[GenerateOutput]:
         """Stream one request's outputs (of the LoRA adapter named `lora`, if any; `images`: the prompt's).
 
@@ -248,6 +304,9 @@ class TokenizerManager:
         the outputs of an attempt are held until it passes, and only the last attempt's are yielded. `tools`: the
         calls in the output are checked against their tools' schemas. `watch_calls`: a watcher of the output's calls
         (chat_output.ChoiceStream); an attempt ends, as if stopped, where a call repeats an earlier one.
+        `streamed`: the outputs go out as an HTTP stream, whose response (Starlette's StreamingResponse) notices a
+        client that leaves once it has started, so `is_disconnected` is polled only until the first output (each
+        poll costs the event loop about 60 us).
 
         Trusts `input_ids` and `sampling`: the routes check them once per request (sampling_request.py builds
         validated params, request_checks.check_prompt checks the prompt) and nothing else calls this. The rid
@@ -261,7 +320,7 @@ class TokenizerManager:
         watch = RequestWatch(self.metrics, grammar.kind if grammar else None) if measured else None
         lora_id = self.lora.acquire(lora)  # an unload waits for this request
         args = (return_logprob, top_logprobs, grammar, priority, is_disconnected, target, watch_calls, watch, lora_id)
-        args += (images, replica)  # replica: data parallelism's pin (the warm-up's); -1 for every other request
+        args += (images, replica, streamed)  # replica: data parallelism's pin (the warm-up's); -1 for every other
         try:
             if not (retry_invalid and self.check_retries > 0 and target is not None):
                 async for out in self._attempt(rid, input_ids, sampling, *args):
@@ -316,6 +375,7 @@ class TokenizerManager:
         lora_id: int = 0,
         images: tuple[ImageInput, ...] = (),
         replica: int = -1,
+        streamed: bool = False,
     ) -> AsyncIterator[GenerateOutput]:
         """One engine request: send it, stream its outputs, check a constrained output at its end."""
         self.start()
@@ -338,10 +398,7 @@ class TokenizerManager:
         calls = watch_calls() if watch_calls is not None else None
         try:
             while True:
-                try:
-                    out = await asyncio.wait_for(state.queue.get(), timeout=DISCONNECT_CHECK_S)
-                except asyncio.TimeoutError:
-                    out = None
+                items = await state.take()
                 if is_disconnected is not None and loop.time() >= next_check:
                     next_check = loop.time() + DISCONNECT_CHECK_S
                     if await is_disconnected():
@@ -352,10 +409,12 @@ class TokenizerManager:
                     raise RequestTimeoutError(
                         f"the request ran longer than the server's limit of {self.request_timeout:g} s"
                     )
-                if out is None:
+                if not items:
                     continue
-                if isinstance(out, Exception):  # fail_all: the server cannot finish it
-                    raise out
+                for item in items:
+                    if isinstance(item, Exception):  # fail_all: the server cannot finish it
+                        raise item
+                out = merge_outputs(items)
                 if watch is not None:
                     watch.tokens(len(out.token_ids))
                 fin = out.finished
@@ -385,6 +444,8 @@ class TokenizerManager:
                 if out.finished is not None:
                     state.finished = True
                     return
+                if streamed:
+                    is_disconnected = None  # the stream has started: its response watches the client from now on
         finally:
             self.states.pop(rid, None)
             if not state.finished:
@@ -436,7 +497,7 @@ class TokenizerManager:
             state = self.states.get(rid)
             if state is None:
                 continue  # already gone (client left)
-            state.queue.put_nowait(
+            state.put(
                 GenerateOutput(
                     text=msg.text_deltas[i],
                     token_ids=msg.new_token_ids[i],
