@@ -13,7 +13,7 @@ import random
 import torch
 
 from gramserve.grammar.backends import GrammarOptions
-from gramserve.grammar.loop_guard import MIN_SPAN, LoopGuard
+from gramserve.grammar.loop_guard import MAX_DIGIT_RUN, MIN_SPAN, DigitTokens, LoopGuard
 from gramserve.grammar.service import GrammarService, ban_tokens
 from gramserve.messages import GrammarCompileReq, GrammarRequest, GrammarStepReq
 from gramserve.sampling.bitmask import allocate_bitmask
@@ -98,3 +98,80 @@ def test_the_service_bans_the_continuation_inside_a_json_string(tokenizer):
         assert bans == [0] * (MIN_SPAN - 1) + [1] * (2 * MIN_SPAN)
     finally:
         svc.close()
+
+
+def test_a_run_of_digits_ends_past_max_digit_run(tokenizer):
+    """Digit strings that never repeat exactly (a small model wandering "1212211122...") end once MAX_DIGIT_RUN
+    digits stand in a row: no digit token is allowed next; any other token starts the count over."""
+    digits = DigitTokens.of(tokenizer)
+    one, two = tokenizer.convert_tokens_to_ids(["1", "2"])
+    assert {one, two} <= digits.ids and len(digits.ids) >= 10
+    guard = LoopGuard(digits)
+    rng = random.Random(1)
+    wander = [rng.choice([one, two]) for _ in range(MAX_DIGIT_RUN)]
+    for t in wander[:-1]:
+        guard.accept(t)
+        assert not (guard.banned() & digits.ids)
+    guard.accept(wander[-1])
+    assert guard.banned() >= digits.ids
+    guard.accept(tokenizer.convert_tokens_to_ids("-"))
+    assert not (guard.banned() & digits.ids)
+
+
+def test_the_service_ends_a_digit_string_unless_the_grammar_wants_digits(tokenizer):
+    bitmask = allocate_bitmask(2, len(tokenizer))
+    svc = GrammarService(
+        tokenizer, len(tokenizer), [EOS], GrammarOptions(loop_guard=True), bitmask, fill_threads=0, compile_timeout_s=30
+    )
+    free = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    fixed = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[0-9]{40}$"}}, "required": ["s"]}
+    try:
+        svc.submit(GrammarCompileReq("free", GrammarRequest("json_schema", json.dumps(free))))
+        svc.submit(GrammarCompileReq("fixed", GrammarRequest("json_schema", json.dumps(fixed))))
+        assert all(r.error is None for r in collect(svc, {"free", "fixed"}).values())
+        head = tokenizer.encode('{"s": "', add_special_tokens=False)
+        rng = random.Random(2)  # digits that wander: no exact loop for the other half of the guard to catch
+        wander = tokenizer.convert_tokens_to_ids([str(rng.randrange(10)) for _ in range(MAX_DIGIT_RUN + 4)])
+        steps = [(rid, t) for rid in ("free", "fixed") for t in head]
+        svc.step(GrammarStepReq(0, steps, [("free", 0), ("fixed", 1)], []))
+        for i, t in enumerate(wander, start=1):
+            svc.step(GrammarStepReq(i, [("free", t), ("fixed", t)], [("free", 0), ("fixed", 1)], []))
+            assert allowed(bitmask, 0, t) == (i < MAX_DIGIT_RUN), i
+            assert allowed(bitmask, 1, t)  # 40 digits or nothing: the grammar decides
+    finally:
+        svc.close()
+
+
+def feed_text(guard: LoopGuard, tokenizer, text: str) -> list[int]:
+    """Feed `text` token by token; the positions (in tokens) where the guard banned something."""
+    hits = []
+    for i, t in enumerate(tokenizer.encode(text, add_special_tokens=False)):
+        guard.accept(t)
+        if guard.banned():
+            hits.append(i)
+    return hits
+
+
+def test_a_counting_loop_is_banned(tokenizer):
+    """Periods equal but for numbers that go up ("map49": {"map50": ..., items whose quantity goes up by one): the
+    guard bans the token that continues the structure after the number."""
+    digits = DigitTokens.of(tokenizer)
+    maps = "".join(f'"map{i}": {{\n ' for i in range(40, 60))
+    items = "".join(f'{{"name": "Alec", "price": {i}00.00, "quantity": {i}}},\n ' for i in range(10, 20))
+    for text in (maps, items):
+        guard = LoopGuard(digits)
+        hits = feed_text(guard, tokenizer, text)
+        assert hits, text[:40]
+        banned = guard.banned() or set()
+        assert not banned & digits.ids  # the numbers themselves are never what is banned
+        assert LoopGuard().banned() == set() and not feed_text(LoopGuard(), tokenizer, text)  # no exact loop
+
+
+def test_numbers_that_do_not_count_up_are_left_alone(tokenizer):
+    digits = DigitTokens.of(tokenizer)
+    rng = random.Random(3)
+    points = "".join(f'{{"x": {rng.randrange(100)}.{rng.randrange(9)}, "y": {rng.randrange(99)}}}, ' for _ in range(30))
+    years = ", ".join(str(y) for y in range(1990, 2030))  # counting up, but no word in the period
+    scores = ", ".join(str(rng.randrange(100)) for _ in range(60))
+    for text in (points, years, scores):
+        assert not feed_text(LoopGuard(digits), tokenizer, text), text[:40]

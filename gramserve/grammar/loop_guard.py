@@ -10,6 +10,11 @@ token that would continue the loop from the next mask, and remembers the ban: la
 least ``MIN_CONTEXT``) tokens come again, that token is banned again, so the loop cannot start over. Only a token
 the grammar allows is ever removed, and never the last one allowed: every output stays inside the grammar, so it
 stays valid. Its cost is a few comparisons per accepted token.
+
+It also ends runs of digits: past ``MAX_DIGIT_RUN`` digits in a row (inside a string or a number), no digit token is
+allowed next. Greedy small models wander in digit strings that never repeat exactly (``"1212211122131111..."``:
+about a fifth of the outputs still cut at max_tokens in issue 19's CPU sample); no real value needs that many
+digits in a row (a 64-bit integer has 20), and where the grammar allows nothing but digits, it still decides.
 """
 
 from __future__ import annotations
@@ -18,53 +23,150 @@ MAX_PERIOD = 32  # longest loop (in tokens) recognised
 MIN_SPAN = 16  # a loop is this many tokens of one repeated period ...
 MIN_REPEATS = 3  # ... and at least this many whole periods
 MIN_CONTEXT = 4  # a remembered ban matches at least this many preceding tokens
+MAX_DIGIT_RUN = 32  # digits in a row past which the next token may not be a digit
 
 
 # run + p >= these (index p - 1): the latest tokens repeat period p over MIN_SPAN tokens and MIN_REPEATS periods
 _RUN_NEEDED = [max(MIN_SPAN, MIN_REPEATS * p) - p for p in range(1, MAX_PERIOD + 1)]
 _NO_RUNS = [0] * MAX_PERIOD
 _NOTHING: frozenset[int] = frozenset()
-_KEEP = max(MAX_PERIOD, MIN_CONTEXT)
+_KEEP = max(MIN_REPEATS * MAX_PERIOD, MIN_CONTEXT)  # items kept: three periods of the longest loop
+
+
+class DigitTokens:
+    """The tokens of a vocabulary that are digits only (and their digits), and those that hold a letter."""
+
+    __slots__ = ("texts", "ids", "wordy")
+
+    def __init__(self, texts: dict[int, str], wordy: frozenset[int] = frozenset()):
+        self.texts = texts  # token id -> its digits (digit-only tokens)
+        self.ids = frozenset(texts)
+        self.wordy = wordy  # tokens with a letter: a counting loop has one in its period
+
+    @classmethod
+    def of(cls, tokenizer) -> "DigitTokens":
+        # Digits are themselves in a byte-level BPE vocabulary and in SentencePiece's (a leading-space piece is not
+        # digit-only, and ends a run as the space does).
+        vocab = tokenizer.get_vocab()
+        texts = {i: t for t, i in vocab.items() if t.isascii() and t.isdigit()}
+        # ASCII letters only: a byte-level vocabulary writes a leading space as the letter "Ġ"
+        return cls(texts, frozenset(i for t, i in vocab.items() if any(c.isascii() and c.isalpha() for c in t)))
+
+
+DIGITS = -1  # one run of digit tokens, as one item of a guard's counting sequence
+
+
+class _Periods:
+    """The latest items of a sequence, which periods they repeat, and the bans remembered after loops in them."""
+
+    __slots__ = ("items", "values", "runs", "bans", "lengths")
+
+    def __init__(self) -> None:
+        self.items: list[int] = []  # oldest first (at most 2 * _KEEP)
+        self.values: list[str] = []  # beside items: a DIGITS item's digits ("" for others)
+        self.runs = _NO_RUNS  # runs[p - 1]: how many latest items equal the item p before them
+        self.bans: dict[tuple[int, ...], set[int]] = {}  # preceding items -> tokens banned after them
+        self.lengths: set[int] = set()  # the context lengths in bans
+
+    def push(self, item: int, value: str = "") -> None:
+        items = self.items
+        recent = items[: -MAX_PERIOD - 1 : -1]  # newest first: recent[p - 1] is the item p back
+        if item in recent:
+            runs = [r + 1 if t == item else 0 for r, t in zip(self.runs, recent)]
+            self.runs = runs + _NO_RUNS[len(runs) :]
+        else:  # the common case: no period can be running
+            self.runs = _NO_RUNS
+        items.append(item)
+        self.values.append(value)
+        if len(items) > 2 * _KEEP:
+            del items[:-_KEEP]
+            del self.values[:-_KEEP]
+
+    def period(self) -> int:
+        """The shortest period the latest items repeat over MIN_SPAN items and MIN_REPEATS periods (0: none)."""
+        if self.runs is not _NO_RUNS:
+            for p, (run, needed) in enumerate(zip(self.runs, _RUN_NEEDED), start=1):
+                if run >= needed:
+                    return p
+        return 0
+
+    def remember(self, p: int, token: int) -> None:
+        """`token` continued a loop of period p here: ban it whenever these items come again."""
+        k = max(p, MIN_CONTEXT)
+        if k <= len(self.items):
+            self.bans.setdefault(tuple(self.items[-k:]), set()).add(token)
+            self.lengths.add(k)
+
+    def remembered(self) -> set[int]:
+        out: set[int] = set()
+        for k in self.lengths:
+            out |= self.bans.get(tuple(self.items[-k:]), _NOTHING)
+        return out
 
 
 class LoopGuard:
-    """The loop state of one constrained request: feed it each accepted token, ask what to ban next."""
+    """The loop state of one constrained request: feed it each accepted token, ask what to ban next.
 
-    __slots__ = ("_tail", "_runs", "_bans", "_lengths")
+    Two sequences are watched: the tokens (exact loops), and, with `digits`, the tokens with each run of digits as
+    one item (counting loops: ``"map49": {"map50": {...``, where only numbers change from period to period, every one
+    of them upwards, and the period holds a word)."""
 
-    def __init__(self) -> None:
-        self._tail: list[int] = []  # the latest tokens, oldest first (at most 2 * _KEEP)
-        self._runs = _NO_RUNS  # _runs[p - 1]: how many latest tokens equal the token p before them
-        self._bans: dict[tuple[int, ...], set[int]] = {}  # preceding tokens -> tokens banned after them
-        self._lengths: set[int] = set()  # the context lengths in _bans
+    __slots__ = ("_tokens", "_counting", "_digits", "_digit_run")
+
+    def __init__(self, digits: DigitTokens | None = None) -> None:
+        self._tokens = _Periods()
+        self._counting = _Periods() if digits is not None else None
+        self._digits = digits  # None: no counting loops, digit runs not bounded
+        self._digit_run = 0  # digits in a row at the end of the output
 
     def accept(self, token: int) -> None:
-        tail = self._tail
-        recent = tail[: -MAX_PERIOD - 1 : -1]  # newest first: recent[p - 1] is the token p back
-        if token in recent:
-            runs = [r + 1 if t == token else 0 for r, t in zip(self._runs, recent)]
-            self._runs = runs + _NO_RUNS[len(runs) :]
-        else:  # the common case: no period can be running
-            self._runs = _NO_RUNS
-        tail.append(token)
-        if len(tail) > 2 * _KEEP:
-            del tail[:-_KEEP]
+        self._tokens.push(token)
+        if self._digits is None:
+            return
+        digits = self._digits.texts.get(token)
+        counting = self._counting
+        if digits is None:
+            self._digit_run = 0
+            counting.push(token)
+        elif self._digit_run:  # the run goes on: the same item, a longer number
+            self._digit_run += len(digits)
+            counting.values[-1] += digits
+        else:
+            self._digit_run = len(digits)
+            counting.push(DIGITS, digits)
 
     def banned(self) -> frozenset[int] | set[int]:
         """The tokens the next mask must not allow (empty: no loop)."""
-        out: set[int] | None = None
-        runs, tail = self._runs, self._tail
-        if runs is not _NO_RUNS:
-            for p, (run, needed) in enumerate(zip(runs, _RUN_NEEDED), start=1):
-                if run >= needed:
-                    k = max(p, MIN_CONTEXT)
-                    if k <= len(tail):
-                        self._bans.setdefault(tuple(tail[-k:]), set()).add(tail[-p])
-                        self._lengths.add(k)
-                    out = {tail[-p]}
-                    break  # the shortest period is the loop; its multiples continue with the same token
-        for k in self._lengths:
-            again = self._bans.get(tuple(tail[-k:]))
-            if again:
-                out = (out or set()) | again
+        tokens = self._tokens
+        out = set()
+        if p := tokens.period():
+            # the shortest period is the loop; its multiples continue with the same token
+            tokens.remember(p, tokens.items[-p])
+            out.add(tokens.items[-p])
+        out |= tokens.remembered()
+        if self._digits is None:
+            return out or _NOTHING
+        counting = self._counting
+        if not out and (p := counting.period()) and self._counts_up(p):
+            after = counting.items[-p]
+            if after != DIGITS:  # the loop's next item is a number: its token comes once the digits end
+                counting.remember(p, after)
+                out.add(after)
+        out |= counting.remembered()
+        if self._digit_run >= MAX_DIGIT_RUN:
+            out |= self._digits.ids
         return out or _NOTHING
+
+    def _counts_up(self, p: int) -> bool:
+        """The last three periods of the counting sequence: some numbers change, each by the same positive step both
+        times, and the period holds a word (a list of plain numbers going up is left alone; so are numbers that
+        merely happen to grow, as a step that stays the same twice over every changing number rarely happens)."""
+        items, values = self._counting.items, self._counting.values
+        if len(items) < 3 * p or not any(t in self._digits.wordy for t in items[-p:]):
+            return False
+        steps = [
+            (int(b) - int(a), int(c) - int(b))
+            for a, b, c in zip(values[-3 * p : -2 * p], values[-2 * p : -p], values[-p:])
+            if a != b or b != c
+        ]
+        return bool(steps) and all(0 < up == again for up, again in steps)

@@ -28,6 +28,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from gramserve.grammar.backends import BACKEND_NAMES, create_backend
@@ -42,7 +43,7 @@ from gramserve.grammar.compile_process import (
 )
 from gramserve.grammar.fill import FillPool, fill_rows
 from gramserve.grammar.fill_probe import probe_fill_us
-from gramserve.grammar.loop_guard import LoopGuard
+from gramserve.grammar.loop_guard import DigitTokens, LoopGuard
 from gramserve.grammar.schema_relax import dropped_keywords, relaxable
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
 
@@ -144,6 +145,7 @@ class GrammarService:
         self.failures = LRU(cache_size)
         self.matchers: dict[str, Matcher] = {}
         self.loop_guards: dict[str, LoopGuard] = {}  # rid -> its guard (options.loop_guard, JSON kinds)
+        self.digit_tokens = DigitTokens.of(tokenizer) if options.loop_guard else None
         self.pending: dict[tuple[str, str, str], _Flight] = {}  # compiles in flight, by key
         self._flight_of: dict[str, _Flight] = {}  # rid -> its flight
         self.compile_threads = compile_threads
@@ -321,7 +323,7 @@ class GrammarService:
         try:
             self.matchers[rid] = self.backend(backend).matcher(compiled)
             if self.options.loop_guard and kind in LOOP_GUARDED_KINDS:
-                self.loop_guards[rid] = LoopGuard()
+                self.loop_guards[rid] = LoopGuard(self.digit_tokens)
         except Exception as exc:  # noqa: BLE001 - a backend bug must not take the process down
             logger.exception("matcher creation failed")
             return GrammarCompileResp(rid, None, f"{backend}: cannot create a matcher: {exc}")
@@ -505,17 +507,17 @@ class GrammarService:
         return GrammarStepResp(req.step, rejected, ms, failed=failed, loop_bans=loop_bans)
 
 
-def ban_tokens(row: torch.Tensor, tokens: set[int]) -> int:
+def ban_tokens(row: torch.Tensor, tokens: set[int] | frozenset[int]) -> int:
     """Clear `tokens` from one int32 bitmask row unless that would leave no token allowed; 1 if any was cleared."""
-    before = row.clone()
-    for t in tokens:
-        word = t >> 5
-        if word < row.shape[0]:
-            row[word] &= ~(1 << (t & 31)) if (t & 31) != 31 else 0x7FFFFFFF
-    if bool((row == before).all()):
+    words = row.numpy().view(np.uint32)
+    ids = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
+    ids = ids[ids < words.shape[0] * 32]
+    before = words.copy()
+    np.bitwise_and.at(words, ids >> 5, ~np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+    if np.array_equal(words, before):
         return 0
-    if not bool(row.any()):
-        row.copy_(before)  # every allowed token continues the loop: the grammar decides
+    if not words.any():
+        words[:] = before  # every allowed token continues the loop: the grammar decides
         return 0
     return 1
 
