@@ -53,7 +53,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from bench_serving import iter_sse_data, machine_info  # noqa: E402
+from bench_serving import aiohttp_session, iter_sse_data, machine_info, open_stream  # noqa: E402
 from run_cpu_suite import Server, free_port  # noqa: E402
 
 SUITE_DIR = HERE / "speed_suite"
@@ -137,16 +137,28 @@ class Result:
         return (self.latency - self.ttft) / (self.tokens - 1) if self.ok and self.tokens > 1 else None
 
 
-async def chat(http: httpx.AsyncClient, url: str, body: dict[str, Any], timeout: float) -> Result:
+class Http:
+    """httpx for the server's reports; aiohttp, where installed, for the streams (its CPU per streamed token is a
+    third of httpx's: bench_serving.py)."""
+
+    def __init__(self, client: httpx.AsyncClient, session=None):
+        self.client = client
+        self.session = session
+
+    async def get(self, url: str, timeout: float = 60) -> httpx.Response:
+        return await self.client.get(url, timeout=timeout)
+
+
+async def chat(http: Http, url: str, body: dict[str, Any], timeout: float) -> Result:
     res = Result()
     t0 = time.perf_counter()
     parts: list[str] = []
     try:
-        async with http.stream("POST", url, json=body, timeout=timeout) as resp:
-            if resp.status_code != 200:
-                res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"
+        async with open_stream(url, body, http.client, http.session, timeout) as (status, error_body, lines):
+            if status != 200:
+                res.error = f"HTTP {status}: {error_body[:300]}"
                 return res
-            async for data in iter_sse_data(resp):
+            async for data in iter_sse_data(lines):
                 if data.strip() == "[DONE]":
                     break
                 chunk = json.loads(data)
@@ -187,7 +199,7 @@ def request_body(model: str, prompt: str, max_tokens: int, temperature: float, e
 
 
 async def run_batch(
-    http: httpx.AsyncClient, url: str, bodies: list[dict], concurrency: int, timeout: float
+    http: Http, url: str, bodies: list[dict], concurrency: int, timeout: float
 ) -> tuple[list[Result], float]:
     sem = asyncio.Semaphore(concurrency)
 
@@ -200,7 +212,7 @@ async def run_batch(
     return list(results), time.perf_counter() - t0
 
 
-async def server_info(http: httpx.AsyncClient, base_url: str) -> dict[str, Any]:
+async def server_info(http: Http, base_url: str) -> dict[str, Any]:
     r = await http.get(base_url + "/get_server_info", timeout=60)
     return r.json() if r.status_code == 200 else {}
 
@@ -230,7 +242,7 @@ def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 async def measure(
-    http: httpx.AsyncClient,
+    http: Http,
     args: argparse.Namespace,
     model: str,
     grammars: list[Grammar],
@@ -313,7 +325,7 @@ async def measure(
     return row
 
 
-async def new_grammar_ttft(http: httpx.AsyncClient, args: argparse.Namespace, model: str, g: Grammar) -> dict:
+async def new_grammar_ttft(http: Http, args: argparse.Namespace, model: str, g: Grammar) -> dict:
     """TTFT of a free request, then of a constrained one whose grammar is new to the server (compile included)."""
     url = args.base_url + "/v1/chat/completions"
     tag = uuid.uuid4().hex[:12]
@@ -338,34 +350,45 @@ async def run_all(args: argparse.Namespace) -> tuple[list[dict], list[dict], dic
     limits = httpx.Limits(
         max_connections=max(args.concurrencies) + 8, max_keepalive_connections=max(args.concurrencies) + 8
     )
-    async with httpx.AsyncClient(limits=limits, timeout=args.timeout) as http:
-        model = (await http.get(args.base_url + "/v1/models")).json()["data"][0]["id"]
-        # Warm-up: one free request and a trivial constrained one.
-        url = args.base_url + "/v1/chat/completions"
-        await chat(http, url, request_body(model, "Hello", 8, 0.0, {"ignore_eos": True}), args.timeout)
-        await chat(http, url, request_body(model, "Yes?", 4, 0.0, {"regex": "(yes|no)"}), args.timeout)
-        for g in load_suite(args.schemas):
-            c = await new_grammar_ttft(http, args, model, g)
-            cold.append({"grammar": g.name, **c})
-            print(f"[{g.name}] new grammar: {json.dumps(c)}", file=sys.stderr, flush=True)
-            for conc in args.concurrencies:
-                row = await measure(http, args, model, [g], conc, g.name)
-                rows.append(row)
-                print(
-                    f"[{g.name}] c={conc}: {json.dumps({k: v for k, v in row.items() if 'examples' not in k})}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        many = None
-        if args.many:
-            conc = args.many_concurrency or max(args.concurrencies)
-            grammars = load_corpus(args.corpus, args.many, args.seed)
-            saved, args.min_requests = args.min_requests, len(grammars)
-            many = await measure(http, args, model, grammars, conc, f"many distinct ({len(grammars)} corpus schemas)")
-            args.min_requests = saved
-            rows.append(many)
-            print(f"[many] {json.dumps({k: v for k, v in many.items() if 'examples' not in k})}", file=sys.stderr)
-        info = await server_info(http, args.base_url)
+    async with httpx.AsyncClient(limits=limits, timeout=args.timeout) as client:
+        session = aiohttp_session()
+        http = Http(client, session)
+        try:
+            return await _run_all(args, http, rows, cold)
+        finally:
+            if session is not None:
+                await session.close()
+
+
+async def _run_all(args: argparse.Namespace, http: Http, rows: list[dict], cold: list[dict]):
+    """The runs of `run_all` over its clients."""
+    model = (await http.get(args.base_url + "/v1/models")).json()["data"][0]["id"]
+    # Warm-up: one free request and a trivial constrained one.
+    url = args.base_url + "/v1/chat/completions"
+    await chat(http, url, request_body(model, "Hello", 8, 0.0, {"ignore_eos": True}), args.timeout)
+    await chat(http, url, request_body(model, "Yes?", 4, 0.0, {"regex": "(yes|no)"}), args.timeout)
+    for g in load_suite(args.schemas):
+        c = await new_grammar_ttft(http, args, model, g)
+        cold.append({"grammar": g.name, **c})
+        print(f"[{g.name}] new grammar: {json.dumps(c)}", file=sys.stderr, flush=True)
+        for conc in args.concurrencies:
+            row = await measure(http, args, model, [g], conc, g.name)
+            rows.append(row)
+            print(
+                f"[{g.name}] c={conc}: {json.dumps({k: v for k, v in row.items() if 'examples' not in k})}",
+                file=sys.stderr,
+                flush=True,
+            )
+    many = None
+    if args.many:
+        conc = args.many_concurrency or max(args.concurrencies)
+        grammars = load_corpus(args.corpus, args.many, args.seed)
+        saved, args.min_requests = args.min_requests, len(grammars)
+        many = await measure(http, args, model, grammars, conc, f"many distinct ({len(grammars)} corpus schemas)")
+        args.min_requests = saved
+        rows.append(many)
+        print(f"[many] {json.dumps({k: v for k, v in many.items() if 'examples' not in k})}", file=sys.stderr)
+    info = await server_info(http, args.base_url)
     return rows, cold, info
 
 

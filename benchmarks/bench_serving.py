@@ -326,21 +326,40 @@ class Client:
             return
         res.success = True
 
-    @contextlib.asynccontextmanager
-    async def _open(self, req: RequestInput):
-        """(status, error body, the stream's lines) of one streamed request."""
-        if self.session is not None:
-            async with self.session.post(self.url, json=self.payload(req)) as resp:
-                if resp.status != 200:
-                    yield resp.status, (await resp.read()).decode("utf-8", "replace"), None
-                else:
-                    yield 200, "", _aiohttp_lines(resp)
-            return
-        async with self.http.stream("POST", self.url, json=self.payload(req)) as resp:
-            if resp.status_code != 200:
-                yield resp.status_code, (await resp.aread()).decode("utf-8", "replace"), None
+    def _open(self, req: RequestInput):
+        return open_stream(self.url, self.payload(req), self.http, self.session)
+
+
+@contextlib.asynccontextmanager
+async def open_stream(url: str, body: dict[str, Any], http: httpx.AsyncClient, session=None, timeout=None):
+    """POST a streamed request: (status, error body, the stream's lines), over aiohttp's `session` when given."""
+    if session is not None:
+        kwargs = {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=timeout)}
+        async with session.post(url, json=body, **kwargs) as resp:
+            if resp.status != 200:
+                yield resp.status, (await resp.read()).decode("utf-8", "replace"), None
             else:
-                yield 200, "", resp.aiter_lines()
+                yield 200, "", _aiohttp_lines(resp)
+        return
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    async with http.stream("POST", url, json=body, **kwargs) as resp:
+        if resp.status_code != 200:
+            yield resp.status_code, (await resp.aread()).decode("utf-8", "replace"), None
+        else:
+            yield 200, "", resp.aiter_lines()
+
+
+def aiohttp_session(headers: dict | None = None, connect_timeout: float = 30.0):
+    """An aiohttp session sized for thousands of concurrent streams (None where aiohttp is not installed)."""
+    if aiohttp is None:
+        return None
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0),
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout),
+        headers=headers,
+        read_bufsize=1 << 20,
+        trust_env=False,
+    )
 
 
 async def fetch_model(http: httpx.AsyncClient, base_url: str) -> str:
@@ -409,15 +428,7 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[BenchmarkSummary, lis
             args.vocab_high,
             random.Random(args.seed + 1),
         )
-        session = None
-        if args.client == "aiohttp":
-            session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=min(args.timeout, 30.0)),
-                headers=headers,
-                read_bufsize=1 << 20,
-                trust_env=False,
-            )
+        session = aiohttp_session(headers, min(args.timeout, 30.0)) if args.client == "aiohttp" else None
         client = Client(args, model, http, session)
 
         if warm:
