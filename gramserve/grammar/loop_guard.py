@@ -28,7 +28,6 @@ MAX_DIGIT_RUN = 32  # digits in a row past which the next token may not be a dig
 
 # run + p >= these (index p - 1): the latest tokens repeat period p over MIN_SPAN tokens and MIN_REPEATS periods
 _RUN_NEEDED = [max(MIN_SPAN, MIN_REPEATS * p) - p for p in range(1, MAX_PERIOD + 1)]
-_NO_RUNS = [0] * MAX_PERIOD
 _NOTHING: frozenset[int] = frozenset()
 _KEEP = max(MIN_REPEATS * MAX_PERIOD, MIN_CONTEXT)  # items kept: three periods of the longest loop
 
@@ -64,18 +63,20 @@ class _Periods:
     def __init__(self) -> None:
         self.items: list[int] = []  # oldest first (at most 2 * _KEEP)
         self.values: list[str] = []  # beside items: a DIGITS item's digits ("" for others)
-        self.runs = _NO_RUNS  # runs[p - 1]: how many latest items equal the item p before them
+        # period p -> how many latest items equal the item p before them (nonzero only, shortest period first)
+        self.runs: dict[int, int] = {}
         self.bans: dict[tuple[int, ...], set[int]] = {}  # preceding items -> tokens banned after them
         self.lengths: set[int] = set()  # the context lengths in bans
 
     def push(self, item: int, value: str = "") -> None:
-        items = self.items
+        items, runs = self.items, self.runs
         recent = items[: -MAX_PERIOD - 1 : -1]  # newest first: recent[p - 1] is the item p back
-        if item in recent:
-            runs = [r + 1 if t == item else 0 for r, t in zip(self.runs, recent)]
-            self.runs = runs + _NO_RUNS[len(runs) :]
-        else:  # the common case: no period can be running
-            self.runs = _NO_RUNS
+        grown: dict[int, int] = {}
+        i = -1
+        for _ in range(recent.count(item)):  # usually none or a few places, found by scans in C
+            i = recent.index(item, i + 1)
+            grown[i + 1] = runs.get(i + 1, 0) + 1
+        self.runs = grown
         items.append(item)
         self.values.append(value)
         if len(items) > 2 * _KEEP:
@@ -84,10 +85,9 @@ class _Periods:
 
     def period(self) -> int:
         """The shortest period the latest items repeat over MIN_SPAN items and MIN_REPEATS periods (0: none)."""
-        if self.runs is not _NO_RUNS:
-            for p, (run, needed) in enumerate(zip(self.runs, _RUN_NEEDED), start=1):
-                if run >= needed:
-                    return p
+        for p, run in self.runs.items():
+            if run >= _RUN_NEEDED[p - 1]:
+                return p
         return 0
 
     def remember(self, p: int, token: int) -> None:
@@ -137,16 +137,19 @@ class LoopGuard:
 
     def banned(self) -> frozenset[int] | set[int]:
         """The tokens the next mask must not allow (empty: no loop)."""
-        tokens = self._tokens
+        tokens, counting = self._tokens, self._counting
+        if not (tokens.runs or tokens.lengths or self._digit_run >= MAX_DIGIT_RUN) and (
+            counting is None or not (counting.runs or counting.lengths)
+        ):
+            return _NOTHING  # the common case: nothing repeats, nothing was banned before
         out = set()
         if p := tokens.period():
             # the shortest period is the loop; its multiples continue with the same token
             tokens.remember(p, tokens.items[-p])
             out.add(tokens.items[-p])
         out |= tokens.remembered()
-        if self._digits is None:
+        if counting is None:
             return out or _NOTHING
-        counting = self._counting
         if not out and (p := counting.period()) and self._counts_up(p):
             after = counting.items[-p]
             if after != DIGITS:  # the loop's next item is a number: its token comes once the digits end
