@@ -163,7 +163,7 @@ async def send_request(
             if resp.status_code != 200:
                 res.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode('utf-8', 'replace')[:300]}"
                 return
-            async for data in iter_sse_data(resp):
+            async for data in iter_sse_data(resp.aiter_lines()):
                 if data.strip() == "[DONE]":
                     got_done = True
                     break

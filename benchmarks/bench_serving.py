@@ -408,7 +408,10 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[BenchmarkSummary, lis
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     timeout = httpx.Timeout(args.timeout, connect=min(args.timeout, 30.0))
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers, trust_env=False) as http:
+    async with (
+        httpx.AsyncClient(limits=limits, timeout=timeout, headers=headers, trust_env=False) as http,
+        contextlib.AsyncExitStack() as closing,
+    ):
         model = args.model or await fetch_model(http, args.base_url)
         reqs = sample_requests(
             args.num_prompts,
@@ -429,6 +432,8 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[BenchmarkSummary, lis
             random.Random(args.seed + 1),
         )
         session = aiohttp_session(headers, min(args.timeout, 30.0)) if args.client == "aiohttp" else None
+        if session is not None:
+            closing.push_async_callback(session.close)
         client = Client(args, model, http, session)
 
         if warm:
@@ -463,13 +468,9 @@ async def run_benchmark(args: argparse.Namespace) -> tuple[BenchmarkSummary, lis
         cpu0 = time.process_time()
         progress.t0 = t0
         tasks = []
-        try:
-            async for r in arrivals(reqs, args.request_rate, arrival_rng):
-                tasks.append(asyncio.create_task(one(r, t0)))
-            results = list(await asyncio.gather(*tasks))
-        finally:
-            if session is not None:
-                await session.close()
+        async for r in arrivals(reqs, args.request_rate, arrival_rng):
+            tasks.append(asyncio.create_task(one(r, t0)))
+        results = list(await asyncio.gather(*tasks))
         duration = time.perf_counter() - t0
         cpu = time.process_time() - cpu0
 

@@ -14,7 +14,7 @@ import pytest
 from openai import OpenAI
 from pydantic import BaseModel
 
-from gramserve.server.errors import InvalidRequestError
+from gramserve.server.errors import EngineUnavailableError, InvalidRequestError
 
 SCHEMA = {
     "type": "object",
@@ -140,6 +140,20 @@ def test_a_consumer_that_falls_behind_gets_what_it_missed_in_one_output(engine):
         assert [lp.token_id for o in outs for lp in o.logprobs] == [t for o in fast for t in o.token_ids]
         assert outs[-1].completion_tokens == 24 and outs[-1].finish_reason == "length"
     assert len(slow) < len(fast) and max(len(o.token_ids) for o in slow) > 1
+
+    async def failed_midway():
+        """fail_all while outputs wait: they still go out, merged, and the failure comes after them."""
+        gen = tm.generate(ids, SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True), streamed=True)
+        got = [await gen.__anext__()]
+        await asyncio.sleep(1.5)
+        tm.fail_all("the test stops the engine's requests")
+        with pytest.raises(EngineUnavailableError):
+            async for out in gen:
+                got.append(out)
+        return got
+
+    got = asyncio.run_coroutine_threadsafe(failed_midway(), engine._loop).result(120)
+    assert len(got) == 2 and len(got[1].token_ids) > 1 and got[1].finished is None
 
 
 def test_the_async_api_runs_requests_together(engine):

@@ -24,6 +24,7 @@ MIN_SPAN = 16  # a loop is this many tokens of one repeated period ...
 MIN_REPEATS = 3  # ... and at least this many whole periods
 MIN_CONTEXT = 4  # a remembered ban matches at least this many preceding tokens
 MAX_DIGIT_RUN = 32  # digits in a row past which the next token may not be a digit
+MAX_COUNTED_DIGITS = 18  # longer numbers are not read as a counter (int() of thousands of digits is slow, or refused)
 
 
 # run + p >= these (index p - 1): the latest tokens repeat period p over MIN_SPAN tokens and MIN_REPEATS periods
@@ -167,9 +168,8 @@ class LoopGuard:
         items, values = self._counting.items, self._counting.values
         if len(items) < 3 * p or not any(t in self._digits.wordy for t in items[-p:]):
             return False
-        steps = [
-            (int(b) - int(a), int(c) - int(b))
-            for a, b, c in zip(values[-3 * p : -2 * p], values[-2 * p : -p], values[-p:])
-            if a != b or b != c
-        ]
+        triples = [abc for abc in zip(values[-3 * p : -2 * p], values[-2 * p : -p], values[-p:]) if len(set(abc)) > 1]
+        if any(len(v) > MAX_COUNTED_DIGITS for abc in triples for v in abc):
+            return False
+        steps = [(int(b) - int(a), int(c) - int(b)) for a, b, c in triples]
         return bool(steps) and all(0 < up == again for up, again in steps)

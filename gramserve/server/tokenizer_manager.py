@@ -411,9 +411,20 @@ class TokenizerManager:
                     )
                 if not items:
                     continue
-                for item in items:
-                    if isinstance(item, Exception):  # fail_all: the server cannot finish it
-                        raise item
+                failed = next((i for i, item in enumerate(items) if isinstance(item, Exception)), None)
+                if failed == 0:  # fail_all: the server cannot finish it
+                    raise items[0]
+                if failed is not None:  # the outputs before the failure go out first (one may end the request)
+                    state.pending[:0] = items[failed:]
+                    items = items[:failed]
+                repeated = False
+                if calls is not None:  # output by output, so that the choice ends exactly where a call repeats
+                    for j, item in enumerate(items):
+                        if item.finished is None and item.text:
+                            calls.feed(item.text)
+                            if calls.repeated:
+                                items, repeated = items[: j + 1], True
+                                break
                 out = merge_outputs(items)
                 if watch is not None:
                     watch.tokens(len(out.token_ids))
@@ -429,13 +440,11 @@ class TokenizerManager:
                     if fin.status_code == 404:
                         raise LoRANotFoundError(fin.message or "LoRA adapter not found")
                     raise EngineError(fin.message or "internal error")
-                if calls is not None and fin is None and out.text:
-                    calls.feed(out.text)
-                    if calls.repeated:  # the choice ends here (chat_output.py): stop the engine request now
-                        self.to_scheduler.send_pyobj(AbortReq(rid))
-                        state.finished = True
-                        out = replace(out, finished=FinishReason("stop"))
-                        fin = out.finished
+                if repeated:  # the choice ends here (chat_output.py): stop the engine request now
+                    self.to_scheduler.send_pyobj(AbortReq(rid))
+                    state.finished = True
+                    out = replace(out, finished=FinishReason("stop"))
+                    fin = out.finished
                 if target is not None:
                     text.append(out.text)
                     if fin is not None and fin.type == "stop" and not isinstance(fin.matched, str):
