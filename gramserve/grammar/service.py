@@ -512,20 +512,13 @@ def ban_tokens(row: torch.Tensor, tokens: set[int] | frozenset[int]) -> int:
     Only the words that hold them are read and written (a row is 1.5-4k words; a ban hits a few), and the whole row
     is scanned only when those words end up empty."""
     words = row.numpy().view(np.uint32)
-    if len(tokens) > 32:  # a digit ban over a large vocabulary: vectorized
-        ids = np.fromiter(tokens, dtype=np.int64, count=len(tokens))
-        ids = ids[ids < words.shape[0] * 32]
-        where = np.unique(ids >> 5)
-        before = dict(zip(where.tolist(), words[where].tolist()))
-        np.bitwise_and.at(words, ids >> 5, ~np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
-    else:
-        before = {}
-        for t in tokens:
-            w = t >> 5
-            if w < words.shape[0]:
-                v = int(words[w])
-                before.setdefault(w, v)
-                words[w] = v & ~(1 << (t & 31))
+    before: dict[int, int] = {}
+    for t in tokens:
+        w = t >> 5
+        if w < words.shape[0]:
+            v = int(words[w])
+            before.setdefault(w, v)
+            words[w] = v & ~(1 << (t & 31))
     after = {w: int(words[w]) for w in before}
     if after == before:
         return 0
