@@ -8,9 +8,17 @@ fills all B rows once per mode (``serial`` = ``Matcher.fill_bitmask`` row by row
 matcher by one token (the accept loop of ``GrammarService.step`` is timed too). Reported: median ms per step
 over ``--steps`` steps after ``--warmup``, and the speed-up over ``serial``.
 
+``--suite NAME ...`` takes grammars of ``benchmarks/speed_suite`` instead (all of them: ``--suite all``), and
+every row walks at random instead of along an instance: each step it takes a token the mask allows, at random,
+as a random-weight model at temperature 1.0 does, so that rows spend their time where masks are dear (inside
+bounded strings) and not only on the path of one valid instance. The backend compiles each grammar once per
+thread of the largest pool (``GrammarBackend.fill_lanes``), as the grammar service does.
+
 Example::
 
     python benchmarks/bench_mask_fill.py --batch-sizes 1 16 64 256 --threads 1 2
+    python benchmarks/bench_mask_fill.py --backends llguidance --suite extraction_record easy_four_fields \
+        --batch-sizes 16 64 --threads 2
 """
 
 from __future__ import annotations
@@ -32,18 +40,23 @@ sys.path.insert(0, str(REPO))
 DEFAULT_CORPUS = REPO / ".." / "shared" / "corpora" / "jsonschemabench-dev"
 
 
+SUITE = REPO / "benchmarks" / "speed_suite"
+MAX_WALK = 400  # a random walk starts over after this many tokens
+
+
 @dataclass
 class Case:
     compiled: object
-    tokens: list[int]
+    tokens: list[int]  # a valid instance to walk along; empty: walk at random
 
 
 @dataclass
 class Lane:
-    """One running request: its matcher and where it is in its instance."""
+    """One running request: a matcher per mode (all in the same state: llguidance keeps the last mask it computed,
+    so modes must not share matchers) and where it is in its instance."""
 
     case: Case
-    matcher: object
+    matchers: list
     pos: int = 0
 
 
@@ -74,10 +87,42 @@ def load_cases(backend, tokenizer, corpus: Path, count: int, max_bytes: int) -> 
     return cases
 
 
-def new_lane(backend, case: Case, depth: int) -> Lane:
-    lane = Lane(case, backend.matcher(case.compiled))
+def load_suite(backend, names: list[str]) -> list[Case]:
+    from gramserve.grammar.backends import GrammarSpec
+
+    paths = sorted(SUITE.glob("*.json")) if names == ["all"] else [SUITE / f"{n}.json" for n in names]
+    cases = []
+    for path in paths:
+        spec = json.loads(path.read_text())
+        text = spec["grammar"] if isinstance(spec["grammar"], str) else json.dumps(spec["grammar"])
+        cases.append(Case(backend.compile(GrammarSpec(spec["kind"], text)), []))
+    return cases
+
+
+def random_allowed(bitmask_row, vocab: int, rng: random.Random) -> int:
+    import numpy as np
+
+    bits = np.unpackbits(bitmask_row.numpy().view(np.uint8), bitorder="little")[:vocab]
+    allowed = np.flatnonzero(bits)
+    return int(allowed[rng.randrange(len(allowed))])
+
+
+def matcher_on_lane(backend, compiled, lane: int):
+    """A matcher copied from fill lane `lane` of the grammar (llguidance hands lanes out in turn; others have one)."""
+    for _ in range(backend.fill_lanes):
+        m = backend.matcher(compiled)
+        if getattr(m, "lane", lane) == lane:
+            return m
+    raise AssertionError(f"no matcher on lane {lane}")
+
+
+def new_lane(backend, case: Case, depth: int, modes: int, row: int) -> Lane:
+    """Row `row`'s matchers, all on the same fill lane (row mod lanes), so that every mode spreads its rows
+    over the lanes alike."""
+    lane = Lane(case, [matcher_on_lane(backend, case.compiled, row % backend.fill_lanes) for _ in range(modes)])
     for t in case.tokens[:depth]:
-        lane.matcher.accept_token(t)
+        for m in lane.matchers:
+            m.accept_token(t)
     lane.pos = depth
     return lane
 
@@ -89,17 +134,20 @@ def run_batch(backend, cases: list[Case], batch: int, modes: dict, steps: int, w
     from gramserve.sampling.bitmask import allocate_bitmask
 
     rng = random.Random(seed)
-    lanes = [new_lane(backend, c, rng.randrange(len(c.tokens))) for c in (cases[i % len(cases)] for i in range(batch))]
+    lanes = [
+        new_lane(backend, cases[i % len(cases)], rng.randrange(len(cases[i % len(cases)].tokens) or 1), len(modes), i)
+        for i in range(batch)
+    ]
     bitmask = allocate_bitmask(batch, backend.vocab_size)
     times: dict[str, list[float]] = {name: [] for name in modes}
     accepts: list[float] = []
     names = list(modes)
     for step in range(warmup + steps):
-        items = [(lane.matcher, row) for row, lane in enumerate(lanes)]
         first = None
         for k in range(len(names)):
             name = names[(step + k) % len(names)]
             pool = modes[name]
+            items = [(lane.matchers[names.index(name)], row) for row, lane in enumerate(lanes)]
             t0 = time.perf_counter()
             if pool is None:
                 for m, row in items:
@@ -113,16 +161,24 @@ def run_batch(backend, cases: list[Case], batch: int, modes: dict, steps: int, w
                 first = bitmask.clone()
             elif not torch.equal(bitmask, first):
                 raise AssertionError(f"{name} and {names[step % len(names)]} wrote other masks at step {step}")
+        picks = [
+            lane.case.tokens[lane.pos] if lane.case.tokens else random_allowed(bitmask[row], backend.vocab_size, rng)
+            for row, lane in enumerate(lanes)
+        ]
         t0 = time.perf_counter()
-        for lane in lanes:
-            if lane.pos < len(lane.case.tokens):
-                lane.matcher.accept_token(lane.case.tokens[lane.pos])
+        for lane, token in zip(lanes, picks):
+            if lane.pos < len(lane.case.tokens) or not lane.case.tokens:
+                lane.matchers[0].accept_token(token)
                 lane.pos += 1
         if step >= warmup:
-            accepts.append(time.perf_counter() - t0)
+            accepts.append(time.perf_counter() - t0)  # one matcher per row, as a grammar worker accepts
+        for lane, token in zip(lanes, picks):
+            for m in lane.matchers[1:]:
+                m.accept_token(token)
         for i, lane in enumerate(lanes):
-            if lane.pos >= len(lane.case.tokens):
-                lanes[i] = new_lane(backend, lane.case, 0)
+            walked = lane.matchers[0].is_terminated() or lane.pos >= MAX_WALK
+            if lane.pos >= len(lane.case.tokens) if lane.case.tokens else walked:
+                lanes[i] = new_lane(backend, lane.case, 0, len(modes), i)
     res = Result(backend.name, batch, statistics.median(accepts) * 1e3)
     res.fill_ms = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
     return res
@@ -165,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         help="FillPool.parallel_rows (default: the server's): smaller batches run on one thread",
     )
     p.add_argument("--schemas", type=int, default=24, help="distinct corpus schemas per backend")
+    p.add_argument("--lanes", type=int, default=None, help="fill lanes per grammar (default: the most threads)")
+    p.add_argument("--suite", nargs="+", default=None, help="speed-suite grammars (or 'all'), walked at random")
     p.add_argument("--max-schema-bytes", type=int, default=4000)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=3)
@@ -203,9 +261,13 @@ def main(argv: list[str] | None = None) -> int:
             [tokenizer.eos_token_id],
             GrammarOptions(max_whitespace=2, strict_json=True),
         )
+        backend.fill_lanes = args.lanes or max(args.threads)
         t0 = time.monotonic()
-        cases = load_cases(backend, tokenizer, args.corpus, args.schemas, args.max_schema_bytes)
-        print(f"{name}: {len(cases)} schemas compiled in {time.monotonic() - t0:.1f} s", flush=True)
+        if args.suite:
+            cases = load_suite(backend, args.suite)
+        else:
+            cases = load_cases(backend, tokenizer, args.corpus, args.schemas, args.max_schema_bytes)
+        print(f"{name}: {len(cases)} grammars compiled in {time.monotonic() - t0:.1f} s", flush=True)
         for batch in args.batch_sizes:
             results.append(run_batch(backend, cases, batch, modes, args.steps, args.warmup, seed=batch))
             print(

@@ -35,7 +35,9 @@ _backends: dict = {}
 
 def get_backend(tokenizer, name: str):
     if name not in _backends:
-        _backends[name] = create_backend(name, tokenizer, len(tokenizer) + EXTRA_COLUMNS, [EOS, 0], GrammarOptions())
+        backend = create_backend(name, tokenizer, len(tokenizer) + EXTRA_COLUMNS, [EOS, 0], GrammarOptions())
+        backend.fill_lanes = 2  # llguidance: every grammar compiled twice, its matchers on alternate lanes
+        _backends[name] = backend
     return _backends[name]
 
 
@@ -178,11 +180,36 @@ def test_failing_batch_hook_falls_back_to_serial(caplog):
 
 
 def test_threads_for_a_batch():
-    pool = FillPool(threads=6, parallel_rows=32)
+    pool = FillPool(threads=6, parallel_rows=32, parallel_us=300)
     assert [pool.threads_for(n) for n in (1, 31, 32, 500)] == [1, 1, 6, 6]
+    # Fewer rows go on threads once their backend's measured cost says one thread would take 300 us.
+    pool.record("slow", rows=10, seconds=2e-3, threads=1)  # 200 us a row
+    assert [pool.threads_for(n, "slow") for n in (1, 2, 31)] == [1, 6, 6]
+    assert pool.threads_for(31, "fast") == 1 and FillPool(threads=1).threads_for(500, "slow") == 1
+    pool.record("slow", rows=10, seconds=1e-5, threads=1)  # then 1 us a row: a moving mean, 160 us after one step
+    assert pool.threads_for(1, "slow") == 1 and pool.threads_for(2, "slow") == 6
     made = []
     ex = pool.executor("x", 6, lambda n: made.append(n) or object())
     assert pool.executor("x", 6, lambda n: made.append(n)) is ex and made == [6]
+
+
+@needs_corpus
+def test_llguidance_lanes(tokenizer):
+    """Each grammar is compiled once per lane and matchers take the lanes in turn (copies of one prototype share a
+    lock); a threaded fill over rows of both lanes writes what row by row writes."""
+    backend = get_backend(tokenizer, "llguidance")
+    compiled, ids = corpus_cases(backend, tokenizer)[0]
+    assert len(compiled.protos) == 2 and compiled.protos[0] is not compiled.protos[1]
+    matchers = [backend.matcher(compiled) for _ in range(6)]
+    lanes = [m.lane for m in matchers]
+    assert lanes in ([0, 1] * 3, [1, 0] * 3)
+    for i, m in enumerate(matchers):
+        for t in ids[: i + 1]:
+            assert m.accept_token(t)
+    words = (backend.vocab_size + 31) // 32
+    pool = FillPool(threads=2, min_batch_rows=1, parallel_rows=2)
+    assert_same_fill([(m, 3 * i) for i, m in enumerate(matchers)], words, pool, seed=3)
+    assert pool.row_us("LLGuidanceMatcher") is not None  # the threaded path ran and measured itself
 
 
 def test_resolve_fill_threads(monkeypatch):

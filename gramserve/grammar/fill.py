@@ -2,13 +2,18 @@
 
 ``fill_rows`` groups the (matcher, row) pairs of a step by matcher class and hands each group of at least
 ``FillPool.min_batch_rows`` rows to that class's ``Matcher.fill_rows`` hook; smaller groups, and every
-group when the pool is off (0 threads), are filled row by row with ``Matcher.fill_bitmask``. A batch of
-at least ``FillPool.parallel_rows`` rows runs on ``FillPool.threads`` threads, a smaller one on one.
+group when the pool is off (0 threads), are filled row by row with ``Matcher.fill_bitmask``. A batch runs on
+``FillPool.threads`` threads when it has at least ``FillPool.parallel_rows`` rows or when its rows, at the
+per-row cost measured for that backend lately (``FillPool.record``), would take one thread at least
+``FillPool.parallel_us``; otherwise on one (waking threads costs about 0.1 ms).
 
 * xgrammar: one ``BatchGrammarMatcher.batch_fill_next_token_bitmask`` call (its own C++ threads; with
   one thread it runs on the caller's and still beats row by row, having no per-row Python).
-* llguidance: one ``LLExecutor.unsafe_compute_mask_ptr`` call (its own Rust threads) from
-  ``parallel_rows`` rows on; below, row by row (the executor's hand-off costs more than it saves).
+* llguidance: matchers deep-copied from one compiled prototype share a lock, so rows of one grammar never
+  fill in parallel from one prototype (measured: 2 threads, 32 rows, 1.0x). Each grammar is compiled once
+  per fill thread (a *lane*, ``GrammarBackend.fill_lanes``), each matcher copies one lane's prototype, and one
+  ``LLExecutor`` call (its own Rust threads) takes the rows ordered by lane: 32 rows in one costly state, 2
+  threads, 1.9x faster than row by row (1.0x from one prototype).
 * outlines-core: row by row; ``Guide.write_mask_into`` holds the GIL, so Python threads would not help.
 
 Both paths write identical rows (``tests/test_grammar_parallel_fill.py``). If a batch hook raises, the
@@ -52,18 +57,36 @@ class FillPool:
     threads: int = 1
     # Fewer rows of one backend than this are filled row by row: batching them saves microseconds.
     min_batch_rows: int = 4
-    # Fewer rows than this run the batch on one thread (llguidance: row by row): waking a pool of threads costs
-    # ~0.1 ms. Measured (docs/benchmarks.md): xgrammar at 16 rows 1.6x faster than row by row on one thread, 0.9x
-    # on two; on the 16-core GPU host 32 rows took 0.35 / 0.30 / 0.42 ms on 1 / 4 / 8 threads, 256 rows
-    # 2.5 / 1.3 / 1.2 ms; llguidance gained nothing from its executor at 64 rows.
+    # This many rows always run on `threads` threads. Measured (docs/benchmarks.md): xgrammar at 16 rows 1.6x
+    # faster than row by row on one thread, 0.9x on two; on the 16-core GPU host 32 rows took 0.35 / 0.30 / 0.42
+    # ms on 1 / 4 / 8 threads, 256 rows 2.5 / 1.3 / 1.2 ms.
     parallel_rows: int = 64
+    # Fewer rows run on threads too when one thread would take this long at their backend's recent cost per
+    # row (llguidance: 10-40 us a row in most states, 0.3-1 ms inside strings with maxLength near their end).
+    parallel_us: float = 300.0
     _executors: dict[tuple[str, int], object] = field(default_factory=dict, repr=False)
+    _row_us: dict[str, float] = field(default_factory=dict, repr=False)  # backend -> moving mean us per row
 
     def batched(self, rows: int) -> bool:
         return self.threads > 0 and rows >= self.min_batch_rows
 
-    def threads_for(self, rows: int) -> int:
-        return max(1, self.threads) if rows >= self.parallel_rows else 1
+    def threads_for(self, rows: int, key: str = "") -> int:
+        if self.threads <= 1:
+            return 1
+        if rows >= self.parallel_rows or rows * self._row_us.get(key, 0.0) >= self.parallel_us:
+            return self.threads
+        return 1
+
+    def record(self, key: str, rows: int, seconds: float, threads: int) -> None:
+        """A batch of `rows` took `seconds` on `threads` threads: update the backend's cost per row (thread time)."""
+        if rows <= 0:
+            return
+        us = seconds * 1e6 * threads / rows
+        old = self._row_us.get(key)
+        self._row_us[key] = us if old is None else 0.8 * old + 0.2 * us
+
+    def row_us(self, key: str) -> float | None:
+        return self._row_us.get(key)
 
     def executor(self, key: str, threads: int, make: Callable[[int], object]) -> object:
         """The backend's batch executor for this many threads (made once with ``make(threads)``)."""

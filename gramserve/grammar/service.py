@@ -168,9 +168,9 @@ class GrammarService:
         name = name.removesuffix(RELAXED)
         with self._backend_lock:
             if name not in self._backends:
-                self._backends[name] = create_backend(
-                    name, self.tokenizer, self.vocab_size, self.eos_token_ids, self.options
-                )
+                backend = create_backend(name, self.tokenizer, self.vocab_size, self.eos_token_ids, self.options)
+                backend.fill_lanes = max(1, self.fill_pool.threads)
+                self._backends[name] = backend
             return self._backends[name]
 
     # --- compiling --------------------------------------------------------------------------------

@@ -132,6 +132,9 @@ class Matcher(ABC):
 
 class GrammarBackend(ABC):
     name: str = "base"
+    # How many threads will fill rows of one compiled grammar at once (the grammar service sets it). llguidance
+    # compiles each grammar that many times (1-5 ms each): its matchers copied from one prototype share a lock.
+    fill_lanes: int = 1
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], options: GrammarOptions | None = None):
         from ._vocab import vocab_bytes

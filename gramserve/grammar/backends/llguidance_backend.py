@@ -2,7 +2,9 @@
 ``llguidance.gbnf_to_lark``), choice, structural_tag (xgrammar's format translated to Lark with lazy
 lexemes, see ``_structural_tag``; token-level formats, dispatch and XML styles are rejected).
 
-* The compiled grammar is a validated prototype ``LLMatcher``; each request gets a ``deep_copy``.
+* The compiled grammar is a validated prototype ``LLMatcher`` per fill lane (``fill_lanes``: copies of one
+  prototype share a lock, so only rows of different prototypes fill in parallel, see ``grammar/fill.py``); each
+  request gets a ``deep_copy`` of one lane's prototype, the lanes taken in turn.
 * ``LLMatcher.consume_token`` puts the matcher in a permanent error state on a bad token, so
   ``accept_token`` checks ``validate_tokens`` first. EOS is decided by ``is_accepting()``.
 * If llguidance hits an internal limit mid-generation (error state), only EOS is allowed and
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -57,16 +60,23 @@ logger = logging.getLogger(__name__)
 
 
 class _LLGCompiled:
-    __slots__ = ("grammar", "proto")
+    __slots__ = ("grammar", "protos", "_turn")
 
-    def __init__(self, grammar: str, proto: llg.LLMatcher):
+    def __init__(self, grammar: str, protos: list[llg.LLMatcher]):
         self.grammar = grammar
-        self.proto = proto
+        self.protos = protos  # one per fill lane, compiled separately
+        self._turn = 0
+
+    def next_lane(self) -> int:
+        lane = self._turn % len(self.protos)
+        self._turn += 1
+        return lane
 
 
 class LLGuidanceMatcher(Matcher):
-    def __init__(self, m: llg.LLMatcher, eos: list[int], text_vocab: int, vocab_size: int):
+    def __init__(self, m: llg.LLMatcher, eos: list[int], text_vocab: int, vocab_size: int, lane: int = 0):
         self._m = m
+        self.lane = lane  # which of its grammar's prototypes it was copied from
         self._eos = eos
         self._text_vocab = text_vocab
         self._vocab_size = vocab_size
@@ -111,29 +121,35 @@ class LLGuidanceMatcher(Matcher):
 
     @classmethod
     def fill_rows(cls, rows: Sequence[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor, pool: FillPool) -> None:
-        """One ``LLExecutor`` call for the live matchers, then ``fill_bitmask``'s special cases: ended or
-        failed matchers allow only EOS. Fewer than ``pool.parallel_rows`` rows go row by row."""
-        if len(rows) < pool.parallel_rows:
-            super().fill_rows(rows, bitmask, pool)
-            return
-        live: list[tuple[LLGuidanceMatcher, int]] = []
-        words = bitmask.shape[1]
-        for m, row in rows:
-            # The executor writes rows of exactly the tokenizer's mask size; a wider bitmask goes row by row.
-            if m._terminated or m._m.is_error() or m._words != words:
-                m.fill_bitmask(bitmask, row)
-            else:
-                live.append((m, row))
-        if not live:
-            return
-        check_bitmask(bitmask, live[0][0]._vocab_size)
-        executor = pool.executor("llguidance", pool.threads_for(len(rows)), llg.LLExecutor)
-        executor.unsafe_compute_mask_ptr(
-            [(m._m, row) for m, row in live], bitmask.data_ptr(), words * 4, bitmask.shape[0]
-        )
-        for m, row in live:
-            if m._m.is_error():  # hit a limit while computing this mask
-                set_only_tokens(bitmask, row, m._eos)
+        """Row by row on one thread; on more (``FillPool.threads_for``), one ``LLExecutor`` call over the rows
+        ordered by lane, so that its threads, splitting the list, mostly take rows of different prototypes
+        (rows of one prototype wait on its lock). Ended or failed matchers allow only EOS."""
+        key = cls.__name__
+        lanes = {m.lane for m, _ in rows}
+        threads = min(pool.threads_for(len(rows), key), len(lanes))
+        t0 = time.perf_counter()
+        if threads <= 1:
+            _fill_each(rows, bitmask)
+        else:
+            live: list[tuple[LLGuidanceMatcher, int]] = []
+            words = bitmask.shape[1]
+            for m, row in rows:
+                # The executor writes rows of exactly the tokenizer's mask size; a wider bitmask goes row by row.
+                if m._terminated or m._m.is_error() or m._words != words:
+                    m.fill_bitmask(bitmask, row)
+                else:
+                    live.append((m, row))
+            if live:
+                live.sort(key=lambda item: item[0].lane)
+                check_bitmask(bitmask, live[0][0]._vocab_size)
+                executor = pool.executor(key, threads, llg.LLExecutor)
+                executor.unsafe_compute_mask_ptr(
+                    [(m._m, row) for m, row in live], bitmask.data_ptr(), words * 4, bitmask.shape[0]
+                )
+                for m, row in live:
+                    if m._m.is_error():  # hit a limit while computing this mask
+                        set_only_tokens(bitmask, row, m._eos)
+        pool.record(key, len(rows), time.perf_counter() - t0, threads)
 
     def is_terminated(self) -> bool:
         return self._terminated
@@ -242,12 +258,20 @@ class LLGuidanceBackend(GrammarBackend):
         proto = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if proto.is_error():
             raise GrammarCompileError(f"llguidance rejected the {spec.kind} grammar: {_short_error(proto.get_error())}")
-        return _LLGCompiled(grammar, proto)
+        lanes = [proto] + [llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0) for _ in range(self.fill_lanes - 1)]
+        return _LLGCompiled(grammar, lanes)
 
     def matcher(self, compiled: object) -> Matcher:
         if not isinstance(compiled, _LLGCompiled):
             raise TypeError("not a grammar compiled by the llguidance backend")
-        return LLGuidanceMatcher(compiled.proto.deep_copy(), self.eos_token_ids, self.text_vocab_size, self.vocab_size)
+        lane = compiled.next_lane()
+        m = compiled.protos[lane].deep_copy()
+        return LLGuidanceMatcher(m, self.eos_token_ids, self.text_vocab_size, self.vocab_size, lane)
+
+
+def _fill_each(rows: Sequence[tuple[LLGuidanceMatcher, int]], bitmask: torch.Tensor) -> None:
+    for m, row in rows:
+        m.fill_bitmask(bitmask, row)
 
 
 def _short_error(msg: str) -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -100,13 +101,15 @@ class XGrammarMatcher(Matcher):
             matchers, live_rows = live.setdefault(m._vocab_size, ([], []))
             matchers.append(m._m)
             live_rows.append(row)
-        threads = pool.threads_for(len(rows))
+        threads = pool.threads_for(len(rows), cls.__name__)
         batch = pool.executor("xgrammar", threads, xgr.BatchGrammarMatcher)
+        t0 = time.perf_counter()
         for vocab_size, (matchers, live_rows) in live.items():
             check_bitmask(bitmask, vocab_size)
             batch.batch_fill_next_token_bitmask(matchers, bitmask, live_rows)
             if bitmask.shape[1] * 32 > vocab_size:
                 clear_columns_from(bitmask, live_rows, vocab_size)
+        pool.record(cls.__name__, sum(len(r) for _, r in live.values()), time.perf_counter() - t0, threads)
 
     def is_terminated(self) -> bool:
         return self._m.is_terminated()
