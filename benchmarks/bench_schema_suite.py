@@ -309,6 +309,8 @@ async def measure(
         "repeats": args.repeats,
         "constrained_tpot_ms": (mean([r.tpot for r in constrained]) or 0) * 1e3,
         "free_tpot_ms": (mean([r.tpot for r in free]) or 0) * 1e3,
+        "constrained_ttft_ms": (mean([r.ttft if r.ok else None for r in constrained]) or 0) * 1e3,
+        "free_ttft_ms": (mean([r.ttft if r.ok else None for r in free]) or 0) * 1e3,
         "constrained_tok_s": c_tokens / c_wall,
         "free_tok_s": f_tokens / f_wall,
         "mean_tokens": c_tokens / max(1, sum(r.ok for r in constrained)),
@@ -402,14 +404,16 @@ def markdown(meta: dict, rows: list[dict], cold: list[dict]) -> str:
         f"Command: `{meta['command']}`",
         f"Server: `{meta['server']}`",
         "",
-        "| grammar | c | TPOT constrained / free (ms) | ratio | tok/s constrained / free | ratio | fill ms/step |"
-        " backend | mean tokens | cut | checked out | invalid | errors |",
-        "|---|---:|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| grammar | c | TPOT constrained / free (ms) | ratio | TTFT constrained / free (ms) |"
+        " tok/s constrained / free |"
+        " ratio | fill ms/step | backend | mean tokens | cut | checked out | invalid | errors |",
+        "|---|---:|---|---:|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['grammar']} | {r['concurrency']} | {fmt(r['constrained_tpot_ms'], '.1f')} / "
-            f"{fmt(r['free_tpot_ms'], '.1f')} | **{fmt(r['tpot_ratio'])}** | {fmt(r['constrained_tok_s'], '.0f')} / "
+            f"{fmt(r['free_tpot_ms'], '.1f')} | **{fmt(r['tpot_ratio'])}** | {fmt(r['constrained_ttft_ms'], '.0f')} / "
+            f"{fmt(r['free_ttft_ms'], '.0f')} | {fmt(r['constrained_tok_s'], '.0f')} / "
             f"{fmt(r['free_tok_s'], '.0f')} | {fmt(r['tok_s_ratio'])} | {fmt(r['fill_ms_per_step'], '.3f')} | "
             f"{', '.join(r['backends']) or '-'} | {fmt(r['mean_tokens'], '.0f')} | {r['cut']} | "
             f"{r.get('checked_out', 0)} | {r['invalid']} | {r['errors']} |"

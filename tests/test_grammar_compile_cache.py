@@ -72,6 +72,32 @@ def test_requests_for_one_grammar_share_one_compile(tokenizer):
         svc.close()
 
 
+def test_a_step_for_a_request_still_compiling_waits_for_its_compile(tokenizer):
+    """The scheduler runs a request before its compile answer when the shard compiled the grammar lately; if the
+    shard's cache dropped it, the step that fills its row first finishes the compile and sends the answer."""
+    from gramserve.grammar.worker import finish_compiles_for
+
+    class Socket:
+        sent: list = []
+
+        def send_pyobj(self, msg):
+            self.sent.append(msg)
+
+    svc = make_service(tokenizer, default_backend="llguidance")
+    try:
+        text = suite_schema("extraction_record")
+        assert svc.submit(GrammarCompileReq("r0", GrammarRequest("json_schema", text, backend="llguidance"))) is None
+        assert svc.flight_of("r0") is not None
+        sock = Socket()
+        finish_compiles_for(svc, ["r0", "unknown"], sock)
+        assert svc.flight_of("r0") is None and "r0" in svc.matchers
+        assert [(m.rid, m.backend) for m in sock.sent] == [("r0", "llguidance")]
+        finish_compiles_for(svc, ["r0"], sock)  # nothing in flight: returns at once
+        assert len(sock.sent) == 1
+    finally:
+        svc.close()
+
+
 def test_a_failed_flight_fails_every_request_in_it(tokenizer):
     svc = make_service(tokenizer, default_backend="xgrammar")
     try:

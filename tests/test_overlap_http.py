@@ -206,6 +206,31 @@ def test_two_grammar_processes_answer_like_one(base_url, sharded_plain_url, mode
     assert info["grammar_slots_in_use"] == 0 and info["grammar_live_requests"] == 0, info
 
 
+def test_a_grammar_compiled_lately_runs_before_its_compile_answer(overlap_url, model_name):
+    """A request whose grammar its grammar process compiled lately is admitted at once (not a step later, after the
+    answer): the same valid output as the first request, which waited for the compile."""
+    props = {"n": {"type": "integer"}, "s": {"type": "string"}}
+    schema = {"type": "object", "properties": props, "required": ["n", "s"]}
+    body = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "Give n and s as JSON."}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "ns", "schema": schema}},
+    }
+    before = httpx.get(overlap_url + "/get_server_info").json()["grammar_admitted_early"]
+    outs = []
+    for _ in range(3):
+        r = httpx.post(overlap_url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        outs.append(r.json()["choices"][0])
+    early = httpx.get(overlap_url + "/get_server_info").json()["grammar_admitted_early"] - before
+    assert early >= 1, early
+    assert len({c["message"]["content"] for c in outs}) == 1
+    if outs[0]["finish_reason"] == "stop":
+        jsonschema.validate(json.loads(outs[0]["message"]["content"]), schema)
+
+
 def test_many_constrained_streams_with_disconnects(overlap_url, model_name):
     """Constrained requests that share batches, finish at different steps, and hang up with tokens in flight:
     every finished output is valid, and every grammar slot and KV slot comes back."""

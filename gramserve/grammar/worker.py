@@ -102,6 +102,19 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
         shared.close()
 
 
+def finish_compiles_for(service: GrammarService, rids: list[str], to_scheduler: zmq.Socket) -> None:
+    """Wait until none of `rids` waits for a compile, answering compiles meanwhile. The scheduler runs a request
+    before its compile answer only when this shard compiled the grammar lately (GrammarClient.compile); if the
+    cache has dropped it since, the step that fills its row waits here for the compile (its timeout bounds it)."""
+    waiting = [rid for rid in rids if service.flight_of(rid) is not None]
+    while waiting:
+        for resp in service.poll_compiles():
+            to_scheduler.send_pyobj(resp)
+        waiting = [rid for rid in waiting if service.flight_of(rid) is not None]
+        if waiting:
+            time.sleep(0.0005)
+
+
 def handle(
     service: GrammarService,
     msg,
@@ -113,6 +126,7 @@ def handle(
     """Answer one message; `state` is this worker's, kept between calls."""
     state = state if state is not None else ShardState()
     if isinstance(msg, GrammarStepReq):
+        finish_compiles_for(service, [rid for rid, _ in msg.fill], to_scheduler)
         try:
             take_fed_ids(msg, state, feed)
             resp = service.step(msg)

@@ -20,7 +20,11 @@ In steady decode the constrained rows are the same from step to step. The client
 layout (`token_feed.FedLayout`): the next step's masks come without per-row work, and each shard is told to reuse
 its rows of the last fed step (`GrammarStepReq.repeat_fed`) instead of being sent them again.
 
-Compile results arrive asynchronously and are collected with `poll_compiles`.
+Compile results arrive asynchronously and are collected with `poll_compiles`. A request whose grammar its shard
+compiled lately (`compile` returns True) need not wait for the answer: the shard answers it from its compile cache
+as soon as it reads the request, before any step message sent after it (each shard reads its inbox in order), so
+the scheduler admits it at once instead of a step later. Should the shard have dropped the grammar from its cache
+meanwhile, it finishes the compile before it fills that request's row (`grammar/worker.py`).
 """
 
 from __future__ import annotations
@@ -70,6 +74,10 @@ class GrammarClient:
         self.placed = [0] * self.shards  # requests given to each shard so far (/get_server_info)
         # Per shard: hashes of the grammars given to it lately (a hint for placement: a collision only moves a request).
         self._recent: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.shards)]
+        # Per shard: hashes of the grammars it compiled successfully lately (answers seen), and the hash each request
+        # waits on until its answer comes.
+        self._compiled_ok: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(self.shards)]
+        self._key_of: dict[str, int] = {}
         self._accept: list[list[tuple[str, int]]] = [[] for _ in range(self.shards)]
         self._free: list[list[str]] = [[] for _ in range(self.shards)]
         self._compiled: list[GrammarCompileResp] = []
@@ -100,6 +108,7 @@ class GrammarClient:
         # Compile answers by source (messages.GrammarCompileResp.source; "failed": no backend took it) and by the
         # backend that serves them; the time of each compile that ran (or disk load); each shard reply's fill time.
         self.compiles = {"compiled": 0, "shared": 0, "cache": 0, "disk": 0, "failed": 0}
+        self.admitted_early = 0  # requests run before their compile answer (compile() returned True)
         self.backends: dict[str, int] = {}
         self.compile_hist = Histogram()
         self.fill_hist = Histogram()
@@ -114,6 +123,7 @@ class GrammarClient:
             "grammar_slots_in_use": self.slots_in_use,
             "grammar_requests_per_shard": list(self.placed),
             "grammar_live_requests": self.live_requests,
+            "grammar_admitted_early": self.admitted_early,
         }
 
     def attach(self, device: torch.device, use_feed: bool) -> None:
@@ -156,13 +166,19 @@ class GrammarClient:
 
     # --- compiles and request lifetime ------------------------------------------------------------
 
-    def compile(self, rid: str, grammar: GrammarRequest) -> None:
-        """Give the request to a shard and have that shard compile its grammar."""
-        shard = self._pick_shard(hash((grammar.backend, grammar.kind, grammar.text)))
+    def compile(self, rid: str, grammar: GrammarRequest) -> bool:
+        """Give the request to a shard and have that shard compile its grammar. True if that shard compiled this
+        grammar successfully lately: the request may run before the answer comes (see the module docstring)."""
+        key = hash((grammar.backend, grammar.kind, grammar.text))
+        shard = self._pick_shard(key)
         self._shard_of[rid] = shard
+        self._key_of[rid] = key
         self._load[shard] += 1
         self.placed[shard] += 1
         self.to_grammar[shard].send_pyobj(GrammarCompileReq(rid, grammar))
+        early = key in self._compiled_ok[shard]
+        self.admitted_early += early
+        return early
 
     def _pick_shard(self, key: int) -> int:
         """The shard with the fewest live requests; among those, one that compiled this grammar lately (its
@@ -195,6 +211,7 @@ class GrammarClient:
         """The request is done: drop its matcher."""
         self.release_slot(rid)
         self._rejected.pop(rid, None)
+        self._key_of.pop(rid, None)
         shard = self._shard_of.pop(rid, None)
         if shard is not None:  # None: never compiled (it failed before)
             self._load[shard] -= 1
@@ -345,6 +362,16 @@ class GrammarClient:
         self.fill_hist.observe(resp.fill_ms)
 
     def _count_compile(self, resp: GrammarCompileResp) -> None:
+        key, shard = self._key_of.pop(resp.rid, None), self._shard_of.get(resp.rid)
+        if key is not None and shard is not None:
+            ok = self._compiled_ok[shard]
+            if resp.backend is None:
+                ok.pop(key, None)
+            else:
+                ok[key] = None
+                ok.move_to_end(key)
+                if len(ok) > RECENT_GRAMMARS:
+                    ok.popitem(last=False)
         if resp.backend is None:
             self.compiles["failed"] += 1
             return

@@ -105,6 +105,7 @@ class Scheduler:
         self.max_queued_requests = args.max_queued_requests or None  # 0: no limit
         self.grammar = grammar
         self.grammar_wait: dict[str, Req] = {}  # compiling constraints, by rid
+        self.grammar_early: dict[str, Req] = {}  # admitted before their compile answer (GrammarClient.compile)
         self.tokenizer = tokenizer
         self.runner = ModelRunner(runner_config(config, tp))  # rank 0 of its tensor-parallel group
         self.device = self.runner.device
@@ -170,8 +171,9 @@ class Scheduler:
                 req.finished = FinishReason(
                     "abort", message="structured output is disabled on this server", status_code=400
                 )
+            elif self.grammar.compile(req.rid, req.grammar):
+                self.grammar_early[req.rid] = req
             else:
-                self.grammar.compile(req.rid, req.grammar)
                 self.grammar_wait[req.rid] = req
                 return req
         if req.finished is not None:
@@ -187,7 +189,12 @@ class Scheduler:
         for resp in self.grammar.poll_compiles():
             req = self.grammar_wait.pop(resp.rid, None)
             if req is None:
-                continue  # aborted meanwhile
+                req = self.grammar_early.pop(resp.rid, None)
+                if req is not None and req.finished is None:
+                    req.grammar_backend = resp.backend
+                    if resp.error is not None:  # its shard compiled it before: it failed only now (a timeout)
+                        self._fail(req, f"invalid or unsupported grammar: {resp.error}", 400)
+                continue  # else aborted meanwhile
             if resp.error is not None:
                 req.finished = FinishReason(
                     "abort", message=f"invalid or unsupported grammar: {resp.error}", status_code=400
@@ -452,6 +459,15 @@ class Scheduler:
         return out
 
     def abort(self, rid: str) -> BatchTokenOut | None:
+        req = self._take(rid)
+        if req is None or req.finished is not None:
+            return None
+        req.finished = FinishReason("abort", message="aborted")
+        return self._output([req])
+
+    def _take(self, rid: str) -> Req | None:
+        """Remove a request from wherever it waits or runs."""
+        self.grammar_early.pop(rid, None)
         req = self.grammar_wait.pop(rid, None)
         if req is None:
             req = self.admission.withdraw(rid)
@@ -459,14 +475,17 @@ class Scheduler:
             req = next((r for r in self.running if r.rid == rid), None)
             if req is not None:
                 self.running.remove(req)
-        if req is None or req.finished is not None:
-            return None
-        req.finished = FinishReason("abort", message="aborted")
-        return self._output([req])
+        return req
+
+    def _fail(self, req: Req, message: str, status: int) -> None:
+        """End a request with an error, reported by the next step's output."""
+        self._take(req.rid)
+        req.finished = FinishReason("abort", message=message, status_code=status)
+        self.finished_early.append(req)
 
     def reject(self, rid: str, message: str) -> BatchTokenOut:
         """The output that fails a request whose arrival could not be handled (it holds no KV yet)."""
-        if self.grammar_wait.pop(rid, None) is not None:
+        if self.grammar_wait.pop(rid, None) is not None or self.grammar_early.pop(rid, None) is not None:
             self.grammar.free(rid)
         self.admission.withdraw(rid)
         return BatchTokenOut.aborted([rid], message, 500)
@@ -478,7 +497,7 @@ class Scheduler:
             live.append(chunked)
         live = [r for r in live if r.finished is None]
         done = [r for r in self.finished_early if r not in live]  # already failed: keep their own reason
-        self.running, self.grammar_wait = [], {}
+        self.running, self.grammar_wait, self.grammar_early = [], {}, {}
         self.admission.clear()
         self.inflight, self.finished_early = None, []
         for req in live:
