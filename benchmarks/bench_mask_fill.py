@@ -78,6 +78,7 @@ def load_cases(backend, tokenizer, corpus: Path, count: int, max_bytes: int) -> 
             compiled = backend.compile(GrammarSpec("json_schema", text))
         except GrammarCompileError:
             continue
+        backend.add_lanes(compiled)
         tokens = tokenizer.encode(json.dumps(valid[0]), add_special_tokens=False)
         probe = backend.matcher(compiled)
         if len(tokens) >= 8 and all(probe.accept_token(t) for t in tokens):
@@ -95,7 +96,9 @@ def load_suite(backend, names: list[str]) -> list[Case]:
     for path in paths:
         spec = json.loads(path.read_text())
         text = spec["grammar"] if isinstance(spec["grammar"], str) else json.dumps(spec["grammar"])
-        cases.append(Case(backend.compile(GrammarSpec(spec["kind"], text)), []))
+        compiled = backend.compile(GrammarSpec(spec["kind"], text))
+        backend.add_lanes(compiled)  # as the grammar service does after the first answer
+        cases.append(Case(compiled, []))
     return cases
 
 

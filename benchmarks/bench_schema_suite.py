@@ -232,6 +232,15 @@ def grammar_delta(before: dict, after: dict) -> dict[str, Any]:
     }
 
 
+def phases_per_step(before: dict, after: dict) -> dict[str, float]:
+    """The scheduler's host ms per step and phase (`step_phases_ms` of /get_server_info) between two reports."""
+    pb, pa = before.get("step_phases_ms") or {}, after.get("step_phases_ms") or {}
+    steps = pa.get("steps", 0) - pb.get("steps", 0)
+    if steps <= 0:
+        return {}
+    return {k: round((v - pb.get(k, 0.0)) / steps, 4) for k, v in pa.items() if k != "steps"} | {"steps": steps}
+
+
 def mean(values: list[Optional[float]]) -> Optional[float]:
     vals = [v for v in values if v is not None]
     return statistics.fmean(vals) if vals else None
@@ -262,12 +271,15 @@ async def measure(
     # requests take the lengths of the first constrained run.
     constrained, free, c_wall, f_wall, free_bodies = [], [], 0.0, 0.0, None
     before = after = None
+    c_phases: list[dict] = []
+    f_phases: list[dict] = []
     for rep in range(args.repeats):
         for kind in ("c", "f") if rep % 2 == 0 else ("f", "c"):
             if kind == "c":
                 b0 = await server_info(http, args.base_url)
                 res, wall = await run_batch(http, url, bodies, concurrency, args.timeout)
                 a0 = await server_info(http, args.base_url)
+                c_phases.append(phases_per_step(b0, a0))
                 before, after = before or b0, a0
                 constrained += res
                 c_wall += wall
@@ -283,7 +295,9 @@ async def measure(
                         for i, r in enumerate(res)
                     ]
             else:
+                b0 = await server_info(http, args.base_url)
                 res, wall = await run_batch(http, url, free_bodies, concurrency, args.timeout)
+                f_phases.append(phases_per_step(b0, await server_info(http, args.base_url)))
                 free += res
                 f_wall += wall
     invalid, errors = [], [r.error for r in constrained if not r.ok] + [r.error for r in free if not r.ok]
@@ -321,6 +335,9 @@ async def measure(
         "invalid_examples": invalid[:3],
         "error_examples": errors[:3],
         **grammar_delta(before, after),
+        # The scheduler's host ms per step by phase (the last run of each kind): where constrained steps spend more.
+        "constrained_phases_ms": c_phases[-1] if c_phases else {},
+        "free_phases_ms": f_phases[-1] if f_phases else {},
     }
     row["tpot_ratio"] = ratio(row["constrained_tpot_ms"], row["free_tpot_ms"])
     row["tok_s_ratio"] = ratio(row["constrained_tok_s"], row["free_tok_s"])

@@ -98,6 +98,27 @@ def test_a_step_for_a_request_still_compiling_waits_for_its_compile(tokenizer):
         svc.close()
 
 
+def test_fill_lanes_are_compiled_after_the_first_answer(tokenizer):
+    """With 2 fill threads llguidance needs a second prototype per grammar: the first request is answered after one
+    compile, the second prototype follows in the background, and later requests take the two in turn."""
+    svc = make_service(tokenizer, default_backend="llguidance", fill_threads=2)
+    try:
+        text = suite_schema("extraction_record")
+        svc.submit(GrammarCompileReq("r0", GrammarRequest("json_schema", text, backend="llguidance")))
+        assert collect(svc, {"r0"})["r0"].backend == "llguidance"
+        compiled = svc.cache.get_recent(("llguidance", "json_schema", text))
+        deadline = time.monotonic() + 30
+        while len(compiled.protos) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(compiled.protos) == 2
+        for i in (1, 2):
+            resp = svc.submit(GrammarCompileReq(f"r{i}", GrammarRequest("json_schema", text, backend="llguidance")))
+            assert resp is not None and resp.source == "cache"
+        assert {svc.matchers["r1"].lane, svc.matchers["r2"].lane} == {0, 1}
+    finally:
+        svc.close()
+
+
 def test_a_failed_flight_fails_every_request_in_it(tokenizer):
     svc = make_service(tokenizer, default_backend="xgrammar")
     try:

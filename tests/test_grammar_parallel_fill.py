@@ -50,6 +50,7 @@ def corpus_cases(backend, tokenizer) -> list[tuple[object, list[int]]]:
             compiled = backend.compile(GrammarSpec("json_schema", text))
         except GrammarCompileError:
             continue
+        backend.add_lanes(compiled)  # as the grammar service does after the first answer
         ids = tokenizer.encode(json.dumps(valid[0], separators=(",", ":")), add_special_tokens=False)
         probe = backend.matcher(compiled)
         if all(probe.accept_token(t) for t in ids) and probe.can_terminate():
@@ -195,11 +196,19 @@ def test_threads_for_a_batch():
 
 @needs_corpus
 def test_llguidance_lanes(tokenizer):
-    """Each grammar is compiled once per lane and matchers take the lanes in turn (copies of one prototype share a
-    lock); a threaded fill over rows of both lanes writes what row by row writes."""
+    """One compile answers a new grammar's first requests; then add_lanes compiles it again per lane (copies of one
+    prototype share a lock), matchers take the lanes in turn, and a threaded fill over rows of both lanes writes
+    what row by row writes."""
     backend = get_backend(tokenizer, "llguidance")
-    compiled, ids = corpus_cases(backend, tokenizer)[0]
+    _, ids = corpus_cases(backend, tokenizer)[0]
+    compiled = backend.compile(GrammarSpec("json_schema", json.dumps({"type": "array", "items": {"type": "integer"}})))
+    assert len(compiled.protos) == 1  # one compile answers the first requests
+    first = [backend.matcher(compiled) for _ in range(2)]
+    assert [m.lane for m in first] == [0, 0]
+    backend.add_lanes(compiled)  # the grammar service does it in the background after that answer
+    backend.add_lanes(compiled)  # and only up to fill_lanes
     assert len(compiled.protos) == 2 and compiled.protos[0] is not compiled.protos[1]
+    compiled, ids = corpus_cases(backend, tokenizer)[0]
     matchers = [backend.matcher(compiled) for _ in range(6)]
     lanes = [m.lane for m in matchers]
     assert lanes in ([0, 1] * 3, [1, 0] * 3)

@@ -10,8 +10,9 @@ per-row cost measured for that backend lately (``FillPool.record``), would take 
 * xgrammar: one ``BatchGrammarMatcher.batch_fill_next_token_bitmask`` call (its own C++ threads; with
   one thread it runs on the caller's and still beats row by row, having no per-row Python).
 * llguidance: matchers deep-copied from one compiled prototype share a lock, so rows of one grammar never
-  fill in parallel from one prototype (measured: 2 threads, 32 rows, 1.0x). Each grammar is compiled once
-  per fill thread (a *lane*, ``GrammarBackend.fill_lanes``), each matcher copies one lane's prototype, and one
+  fill in parallel from one prototype (measured: 2 threads, 32 rows, 1.0x). After its first compile has
+  answered, each grammar is compiled again in the background up to one prototype per fill thread (*lanes*,
+  ``GrammarBackend.fill_lanes`` / ``add_lanes``), matchers copy the lanes' prototypes in turn, and one
   ``LLExecutor`` call (its own Rust threads) takes the rows ordered by lane: 32 rows in one costly state, 2
   threads, 1.9x faster than row by row (1.0x from one prototype).
 * outlines-core: row by row; ``Guide.write_mask_into`` holds the GIL, so Python threads would not help.

@@ -385,6 +385,9 @@ class GrammarService:
             return []
         self.cache.put((f.backend, f.grammar.kind, f.grammar.text), result.compiled)
         self.stats["disk_hits" if result.source == "disk" else "compiled"] += 1
+        backend = self.backend(f.backend)
+        if backend.fill_lanes > 1:  # after the answer, not before: a new grammar's first request waits for one compile
+            self.pool.submit(_add_lanes, backend, result.compiled)
         if result.fill_us is not None:
             f.probes[f.backend] = round(result.fill_us, 2)
         margin = SWITCH_MARGIN if f.challenger else 1.0
@@ -505,6 +508,13 @@ class GrammarService:
         failed = {rid: why for rid, (m, _) in zip(rids, rows) if (why := m.error())}
         ms = (time.perf_counter() - t0) * 1e3
         return GrammarStepResp(req.step, rejected, ms, failed=failed, loop_bans=loop_bans)
+
+
+def _add_lanes(backend: GrammarBackend, compiled) -> None:
+    try:
+        backend.add_lanes(compiled)
+    except Exception:  # noqa: BLE001 - the grammar is served from the lanes it has
+        logger.exception("%s: could not add fill lanes", backend.name)
 
 
 def ban_tokens(row: torch.Tensor, tokens: set[int] | frozenset[int]) -> int:

@@ -132,8 +132,7 @@ class Matcher(ABC):
 
 class GrammarBackend(ABC):
     name: str = "base"
-    # How many threads will fill rows of one compiled grammar at once (the grammar service sets it). llguidance
-    # compiles each grammar that many times (1-5 ms each): its matchers copied from one prototype share a lock.
+    # How many threads will fill rows of one compiled grammar at once (the grammar service sets it; see add_lanes).
     fill_lanes: int = 1
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], options: GrammarOptions | None = None):
@@ -180,6 +179,11 @@ class GrammarBackend(ABC):
 
     @abstractmethod
     def matcher(self, compiled: object) -> Matcher: ...
+
+    def add_lanes(self, compiled: object) -> None:
+        """Make `compiled` ready for `fill_lanes` threads filling its rows at once (off the hot path: it may
+        compile again). llguidance compiles the grammar once per lane, its matchers copied from one prototype
+        sharing a lock; the other backends need nothing."""
 
     def close(self) -> None:
         """Release resources (optional)."""

@@ -2,9 +2,10 @@
 ``llguidance.gbnf_to_lark``), choice, structural_tag (xgrammar's format translated to Lark with lazy
 lexemes, see ``_structural_tag``; token-level formats, dispatch and XML styles are rejected).
 
-* The compiled grammar is a validated prototype ``LLMatcher`` per fill lane (``fill_lanes``: copies of one
-  prototype share a lock, so only rows of different prototypes fill in parallel, see ``grammar/fill.py``); each
-  request gets a ``deep_copy`` of one lane's prototype, the lanes taken in turn.
+* The compiled grammar is a validated prototype ``LLMatcher``; each request gets a ``deep_copy``. Copies of one
+  prototype share a lock, so only rows of different prototypes fill in parallel (``grammar/fill.py``):
+  ``add_lanes`` compiles the grammar again, up to ``fill_lanes`` prototypes in all (the grammar service does it in
+  the background after the first compile has answered), and requests take the prototypes there are in turn.
 * ``LLMatcher.consume_token`` puts the matcher in a permanent error state on a bad token, so
   ``accept_token`` checks ``validate_tokens`` first. EOS is decided by ``is_accepting()``.
 * If llguidance hits an internal limit mid-generation (error state), only EOS is allowed and
@@ -62,9 +63,9 @@ logger = logging.getLogger(__name__)
 class _LLGCompiled:
     __slots__ = ("grammar", "protos", "_turn")
 
-    def __init__(self, grammar: str, protos: list[llg.LLMatcher]):
+    def __init__(self, grammar: str, proto: llg.LLMatcher):
         self.grammar = grammar
-        self.protos = protos  # one per fill lane, compiled separately
+        self.protos = [proto]  # one per fill lane, compiled separately (add_lanes appends)
         self._turn = 0
 
     def next_lane(self) -> int:
@@ -258,8 +259,12 @@ class LLGuidanceBackend(GrammarBackend):
         proto = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if proto.is_error():
             raise GrammarCompileError(f"llguidance rejected the {spec.kind} grammar: {_short_error(proto.get_error())}")
-        lanes = [proto] + [llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0) for _ in range(self.fill_lanes - 1)]
-        return _LLGCompiled(grammar, lanes)
+        return _LLGCompiled(grammar, proto)
+
+    def add_lanes(self, compiled: object) -> None:
+        if isinstance(compiled, _LLGCompiled):
+            while len(compiled.protos) < self.fill_lanes:
+                compiled.protos.append(llg.LLMatcher(self.ll_tokenizer, compiled.grammar, log_level=0))
 
     def matcher(self, compiled: object) -> Matcher:
         if not isinstance(compiled, _LLGCompiled):
