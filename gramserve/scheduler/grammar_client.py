@@ -184,11 +184,7 @@ class GrammarClient:
         """The shard with the fewest live requests; among those, one that compiled this grammar lately (its
         compile cache likely has it)."""
         shard = min(range(self.shards), key=lambda i: (self._load[i], key not in self._recent[i], i))
-        recent = self._recent[shard]
-        recent[key] = None
-        recent.move_to_end(key)
-        if len(recent) > RECENT_GRAMMARS:
-            recent.popitem(last=False)
+        _remember(self._recent[shard], key)
         return shard
 
     @property
@@ -364,14 +360,10 @@ class GrammarClient:
     def _count_compile(self, resp: GrammarCompileResp) -> None:
         key, shard = self._key_of.pop(resp.rid, None), self._shard_of.get(resp.rid)
         if key is not None and shard is not None:
-            ok = self._compiled_ok[shard]
             if resp.backend is None:
-                ok.pop(key, None)
+                self._compiled_ok[shard].pop(key, None)
             else:
-                ok[key] = None
-                ok.move_to_end(key)
-                if len(ok) > RECENT_GRAMMARS:
-                    ok.popitem(last=False)
+                _remember(self._compiled_ok[shard], key)
         if resp.backend is None:
             self.compiles["failed"] += 1
             return
@@ -379,3 +371,11 @@ class GrammarClient:
         self.backends[resp.backend] = self.backends.get(resp.backend, 0) + 1
         if resp.source in ("compiled", "disk"):
             self.compile_hist.observe(resp.compile_ms)
+
+
+def _remember(lru: OrderedDict[int, None], key: int) -> None:
+    """Put `key` last in a bounded recency list (RECENT_GRAMMARS, as many as a shard's compile cache holds)."""
+    lru[key] = None
+    lru.move_to_end(key)
+    if len(lru) > RECENT_GRAMMARS:
+        lru.popitem(last=False)

@@ -126,8 +126,9 @@ class LLGuidanceMatcher(Matcher):
         ordered by lane, so that its threads, splitting the list, mostly take rows of different prototypes
         (rows of one prototype wait on its lock). Ended or failed matchers allow only EOS."""
         key = cls.__name__
-        lanes = {m.lane for m, _ in rows}
-        threads = min(pool.threads_for(len(rows), key), len(lanes))
+        threads = pool.threads_for(len(rows), key)
+        if threads > 1:
+            threads = min(threads, len({m.lane for m, _ in rows}))
         t0 = time.perf_counter()
         if threads <= 1:
             _fill_each(rows, bitmask)
