@@ -47,6 +47,35 @@ def test_cpu_applier_matches_the_reference(pairs):
     assert torch.equal(logits, want)
 
 
+def word_patterned_bitmask(rows: int, words: int, seed: int) -> torch.Tensor:
+    """Words as grammars write them: mostly all clear or all set, some mixed."""
+    g = torch.Generator().manual_seed(seed)
+    bitmask = random_bitmask(rows, words, seed)
+    kind = torch.randint(0, 3, (rows, words), generator=g)
+    bitmask[kind == 0] = 0
+    bitmask[kind == 1] = -1
+    return bitmask
+
+
+@pytest.mark.parametrize("vocab", [40 * 32, 40 * 32 + 17, 39 * 32 + 5, 100])
+def test_cpu_kernel_matches_the_reference(vocab):
+    """The C kernel behind the CPU applier: whole words, mixed words, logits narrower or wider than the bitmask."""
+    from gramserve.sampling.bitmask_cpu import apply_pairs
+
+    bitmask = word_patterned_bitmask(8, 40, seed=vocab)
+    pairs = [(0, 7), (3, 3), (5, 0), (2, 5)]
+    logits = torch.randn(6, vocab)
+    want = logits.clone()
+    for row, slot in pairs:  # the reference, one row at a time; columns past the bitmask are disallowed
+        _torch_apply_bitmask(want[row : row + 1, : min(vocab, 40 * 32)], bitmask[slot : slot + 1])
+        want[row, 40 * 32 :] = float("-inf")
+    table = torch.tensor(pairs + [(6, 0), (0, 8), (-1, 2)], dtype=torch.int32)  # out of range: skipped
+    if not apply_pairs(logits, bitmask, table):
+        pytest.skip("the CPU kernel cannot be built here (no compiler or no AVX2)")
+    assert torch.equal(logits, want)
+    assert not apply_pairs(logits.to(torch.bfloat16), bitmask, table)  # other dtypes take the torch path
+
+
 KERNEL_CHECK = textwrap.dedent("""
     import torch
     from gramserve.sampling.bitmask_kernel import apply_masks

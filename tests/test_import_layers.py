@@ -14,7 +14,7 @@ TYPE_CHECKING). The layers, top down:
     grammar protocol        sampling, base                          (grammar_shm, token_feed: the scheduler's share)
     model, parsers          base
     sampling                base
-    base                    nothing else (config, ipc, messages, histogram, sampling.params: a message field)
+    base                    nothing else (config, ipc, messages, histogram, native, sampling.params: a message field)
 
 So the scheduler process loads no grammar backend code, and the grammar workers load no model code. Read
 statically with `ast`, without importing anything.
@@ -35,6 +35,7 @@ PARTS = {
     "gramserve.ipc": "base",
     "gramserve.messages": "base",
     "gramserve.histogram": "base",
+    "gramserve.native": "base",
     "gramserve.sampling.params": "base",
     "gramserve.sampling": "sampling",
     "gramserve.model": "model",

@@ -3,28 +3,22 @@
 The library links libgomp by its soname, so in a process that imported torch it shares torch's OpenMP runtime
 (one thread pool; --num-threads sets the count for both).
 
-`load()` returns None (and logs why once) where they cannot run: no AVX2/FMA, no compiler, a failed build, or
-GRAMSERVE_CPU_KERNELS=0. Callers then keep the plain torch path, so the kernels are a speed-up, never a
-requirement. The build is keyed by the source's hash and the compiler, under `~/.cache/gramserve/kernels`.
+`load()` returns None where they cannot run (`gramserve.native` says when, and builds and caches the library).
+Callers then keep the plain torch path, so the kernels are a speed-up, never a requirement.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 
 import torch
 
-logger = logging.getLogger(__name__)
+from gramserve.native import AVX2_FLAGS, load_library
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = [*AVX2_FLAGS, "-fopenmp"]
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -42,66 +36,17 @@ def threads() -> int:
     return _threads
 
 
-def _cpu_has_avx2_fma() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx2" in flags and "fma" in flags
-
-
-def _cache_dir() -> str:
-    from gramserve.model.loader import cache_root
-
-    return os.path.join(cache_root(), "kernels")
-
-
-def _build(compiler: str) -> str:
-    with open(SOURCE, "rb") as f:
-        src = f.read()
-    key = hashlib.sha256(src + compiler.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = os.path.join(_cache_dir(), f"cpu_kernels-{key}.so")
-    if os.path.exists(target):
-        return target
-    os.makedirs(_cache_dir(), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=_cache_dir())
-    os.close(fd)
-    try:
-        subprocess.run([compiler, *FLAGS, SOURCE, "-o", tmp, "-lm"], check=True, capture_output=True, timeout=120)
-        os.replace(tmp, target)  # atomic: a concurrent build of the same source writes the same bytes
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
 def load() -> ctypes.CDLL | None:
-    """The kernel library, or None where it cannot be used here (the reason is logged once)."""
+    """The kernel library, or None where it cannot be used here (`gramserve.native` logs why once)."""
     global _lib, _tried
     with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("GRAMSERVE_CPU_KERNELS", "1") == "0":
-            logger.info("CPU kernels off (GRAMSERVE_CPU_KERNELS=0)")
-            return None
-        if not _cpu_has_avx2_fma():
-            logger.info("CPU kernels off: this CPU lacks AVX2/FMA")
-            return None
-        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-        if compiler is None:
-            logger.warning("CPU kernels off: no C compiler (cc/gcc) found; decode runs on torch's kernels")
-            return None
-        try:
-            lib = ctypes.CDLL(_build(compiler))
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", b"") or b""
-            logger.warning("CPU kernels off: build failed (%s) %s", exc, detail.decode(errors="replace")[-500:])
-            return None
-        _declare(lib)
-        _lib = lib
-        return lib
+        if not _tried:
+            _tried = True
+            lib = load_library(SOURCE, FLAGS)
+            if lib is not None:
+                _declare(lib)
+            _lib = lib
+        return _lib
 
 
 def _declare(lib: ctypes.CDLL) -> None:

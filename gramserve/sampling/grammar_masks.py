@@ -3,7 +3,8 @@
 The grammar worker writes one bitmask row per constrained request (its slot) into shared host memory;
 `MaskApplier.apply(logits, pairs)` masks `logits[row]` with bitmask row `slot` for each (row, slot).
 
-* CPU: `apply_bitmask` on the gathered rows.
+* CPU: one call of a C kernel over the (row, slot) pairs (`bitmask_cpu`), or `apply_bitmask` on the gathered
+  rows where it cannot be built.
 * CUDA: the shared bitmask is page-locked (`GrammarClient.attach`, before the applier is made), so the rows up to
   the highest slot in use go to the GPU in one asynchronous copy with no host-side copy; the (row, slot) pairs
   go through a small page-locked buffer, and only when they change (steady decode: never); one Triton kernel
@@ -21,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from gramserve.sampling.bitmask import apply_bitmask
+from gramserve.sampling.bitmask_cpu import apply_pairs
 
 RING = 2  # page-locked buffers for the (row, slot) pairs; one is refilled while the other's copy may be queued
 
@@ -30,6 +32,8 @@ class MaskApplier:
         self.bitmask = bitmask  # [slots, words] int32, host (shared memory); `pinned`: page-locked
         self.device = device
         self.cuda = device.type == "cuda"
+        self._cpu_pairs_of: list[tuple[int, int]] | None = None  # CPU: the pairs list last converted ...
+        self._cpu_pairs = torch.empty((0, 2), dtype=torch.int32)  # ... and its tensor
         if self.cuda:
             slots, words = bitmask.shape
             self._staging = None if pinned else torch.empty((slots, words), dtype=torch.int32, pin_memory=True)
@@ -50,6 +54,11 @@ class MaskApplier:
         if self.cuda and logits.stride(-1) == 1:
             self._apply_cuda(logits, pairs)
             return
+        if not self.cuda:
+            if pairs is not self._cpu_pairs_of:  # steady decode passes the same list: converted once
+                self._cpu_pairs_of, self._cpu_pairs = pairs, torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2)
+            if apply_pairs(logits, self.bitmask, self._cpu_pairs):
+                return
         n = len(pairs)
         rows = [r for r, _ in pairs]
         slots = [s for _, s in pairs]
