@@ -19,7 +19,7 @@ from gramserve.grammar.disk_cache import DiskCache, backend_fingerprint
 from gramserve.grammar.fill_probe import probe_fill_us
 from gramserve.grammar.service import AUTO_ORDER, GrammarService
 from gramserve.histogram import Histogram
-from gramserve.messages import GrammarCompileReq, GrammarRequest
+from gramserve.messages import GrammarCompileReq, GrammarRequest, GrammarStepReq
 from gramserve.sampling.bitmask import allocate_bitmask
 
 EOS = 2
@@ -187,6 +187,30 @@ def test_a_cheap_grammar_is_not_challenged(tokenizer, monkeypatch):
         wait_challengers(svc)
         assert svc.stats["compiled"] == 1 and ("xgrammar", "json_schema", text) not in svc.cache
         assert svc.chosen.get_recent(("json_schema", text)) == "llguidance"
+    finally:
+        svc.close()
+
+
+def test_a_challenger_waits_while_steps_come_when_asked_to(tokenizer, monkeypatch):
+    """challenge_when_idle (a CPU whose forward takes every core): the background comparison starts only once no
+    step has come for IDLE_S, and its waiting does not count against the compile timeout."""
+    import gramserve.grammar.service as service_module
+
+    monkeypatch.setattr(service_module, "SWITCH_FILL_US", 0.0)
+    svc = make_service(tokenizer, challenge_when_idle=True, compile_timeout_s=2.0)
+    try:
+        svc.step(GrammarStepReq(0, [], [], []))  # steps are coming
+        text = suite_schema("extraction_record")
+        assert svc.submit(GrammarCompileReq("a", GrammarRequest("json_schema", text))) is None
+        assert collect(svc, {"a"})["a"].backend == "llguidance"
+        busy_until = time.monotonic() + 2.5  # a step every 50 ms: longer than the compile timeout
+        while time.monotonic() < busy_until:
+            svc.step(GrammarStepReq(1, [], [("a", 0)], []))
+            assert svc.poll_compiles() == []
+            assert svc.stats["compiled"] == 1 and svc.pending  # the challenger waits, not timed out
+            time.sleep(0.05)
+        wait_challengers(svc)  # steps stopped: it runs
+        assert svc.stats["compiled"] == 2 and svc.stats["timeouts"] == 0
     finally:
         svc.close()
 

@@ -67,6 +67,8 @@ SWITCH_MARGIN = 0.75
 # Challengers run one at a time on their own thread, never ahead of compiles that requests wait for; when many new
 # grammars arrive at once, the ones past this many waiting are not challenged.
 MAX_CHALLENGERS = 8
+# challenge_when_idle: a challenger starts once no step has come for this long (seconds).
+IDLE_S = 0.2
 # The kinds whose outputs the loop guard watches (JSON; a regex or EBNF may mean its repetitions).
 LOOP_GUARDED_KINDS = ("json_schema", "json_object", "structural_tag")
 
@@ -128,6 +130,7 @@ class GrammarService:
         compile_processes: bool = True,
         cache_dir: str = "",
         relax: bool = True,
+        challenge_when_idle: bool = False,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -138,6 +141,10 @@ class GrammarService:
         self.compile_timeout_s = compile_timeout_s
         self.cache_dir = cache_dir
         self.relax = relax  # auto: serve schemas no backend enforces exactly through AUTO_RELAXED
+        # Challengers wait until no step has come for IDLE_S: where the model's forward needs every core (a CPU), a
+        # challenger beside it slowed a new grammar's first request 2-3x (docs/benchmarks.md).
+        self.challenge_when_idle = challenge_when_idle
+        self.last_step = 0.0  # time.monotonic() of the last step served
         self._backends: dict[str, GrammarBackend] = {}
         self._backend_lock = threading.Lock()
         self.cache = LRU(cache_size)  # (backend, kind, text) -> compiled
@@ -257,6 +264,9 @@ class GrammarService:
         if not f.challenger:  # requests wait for this one: answer them as soon as it compiles
             relaxed = backend.endswith(RELAXED)
             return CompileResult(compile_grammar(self.backend(backend), grammar, relaxed), "compiled")
+        while self.challenge_when_idle and time.monotonic() - self.last_step < IDLE_S:
+            time.sleep(IDLE_S)
+            f.started = time.monotonic()  # waiting is not compiling: the timeout starts after
         incumbent, incumbent_compiled = f.best
         # A quick look first: is the backend serving it cheap enough to stop at?
         quick_us = probe_fill_us(self.backend(incumbent), incumbent_compiled)
@@ -479,6 +489,7 @@ class GrammarService:
 
     def step(self, req: GrammarStepReq) -> GrammarStepResp:
         t0 = time.perf_counter()
+        self.last_step = time.monotonic()
         rejected = []
         for rid in req.free:
             self.abort(rid)
