@@ -67,8 +67,8 @@ SWITCH_MARGIN = 0.75
 # Challengers run one at a time on their own thread, never ahead of compiles that requests wait for; when many new
 # grammars arrive at once, the ones past this many waiting are not challenged.
 MAX_CHALLENGERS = 8
-# challenge_when_idle: a challenger starts once no step has come for this long (seconds).
-IDLE_S = 0.2
+# challenge_when_idle: a challenger starts once no step nor compile answer has come for this long (seconds).
+IDLE_S = 0.5
 # The kinds whose outputs the loop guard watches (JSON; a regex or EBNF may mean its repetitions).
 LOOP_GUARDED_KINDS = ("json_schema", "json_object", "structural_tag")
 
@@ -141,10 +141,10 @@ class GrammarService:
         self.compile_timeout_s = compile_timeout_s
         self.cache_dir = cache_dir
         self.relax = relax  # auto: serve schemas no backend enforces exactly through AUTO_RELAXED
-        # Challengers wait until no step has come for IDLE_S: where the model's forward needs every core (a CPU), a
-        # challenger beside it slowed a new grammar's first request 2-3x (docs/benchmarks.md).
+        # Challengers wait until no step nor compile answer has come for IDLE_S: where the model's forward needs
+        # every core (a CPU), a challenger beside it slowed a new grammar's first request 2-3x (docs/benchmarks.md).
         self.challenge_when_idle = challenge_when_idle
-        self.last_step = 0.0  # time.monotonic() of the last step served
+        self.last_active = 0.0  # time.monotonic() of the last step served or compile answered
         self._backends: dict[str, GrammarBackend] = {}
         self._backend_lock = threading.Lock()
         self.cache = LRU(cache_size)  # (backend, kind, text) -> compiled
@@ -264,15 +264,15 @@ class GrammarService:
         if not f.challenger:  # requests wait for this one: answer them as soon as it compiles
             relaxed = backend.endswith(RELAXED)
             return CompileResult(compile_grammar(self.backend(backend), grammar, relaxed), "compiled")
-        while self.challenge_when_idle and time.monotonic() - self.last_step < IDLE_S:
-            time.sleep(IDLE_S)
-            f.started = time.monotonic()  # waiting is not compiling: the timeout starts after
         incumbent, incumbent_compiled = f.best
-        # A quick look first: is the backend serving it cheap enough to stop at?
+        # A quick look first (a few ms): is the backend serving it cheap enough to stop at?
         quick_us = probe_fill_us(self.backend(incumbent), incumbent_compiled)
         if quick_us <= SWITCH_FILL_US:
             f.probes[incumbent] = round(quick_us, 2)
             return CompileResult(None, "skipped")
+        while self.challenge_when_idle and time.monotonic() - self.last_active < IDLE_S:
+            time.sleep(IDLE_S)
+            f.started = time.monotonic()  # waiting is not compiling: the timeout starts after
         b = self.backend(backend)
         compiled = compile_grammar(b, grammar)
         # Both measured over the same long walk: short ones miss the costly states deep inside.
@@ -318,6 +318,8 @@ class GrammarService:
 
     def _answer_all(self, f: _Flight, answer) -> list[GrammarCompileResp]:
         self.pending.pop(f.key, None)
+        if f.rids:  # requests about to run (prefill first: no steps yet)
+            self.last_active = time.monotonic()
         out = []
         for i, rid in enumerate(f.rids):
             self._flight_of.pop(rid, None)
@@ -466,6 +468,11 @@ class GrammarService:
             if f.challenger and f.future is not None and f.future.cancelled():
                 del self.pending[key]
 
+    @property
+    def awaited(self) -> bool:
+        """Is a compile in flight that requests wait for? (Challengers: nobody waits.)"""
+        return any(not f.challenger for f in self.pending.values())
+
     def flight_of(self, rid: str) -> _Flight | None:
         """The compile the request waits for, if any."""
         return self._flight_of.get(rid)
@@ -489,7 +496,7 @@ class GrammarService:
 
     def step(self, req: GrammarStepReq) -> GrammarStepResp:
         t0 = time.perf_counter()
-        self.last_step = time.monotonic()
+        self.last_active = time.monotonic()
         rejected = []
         for rid in req.free:
             self.abort(rid)

@@ -84,8 +84,9 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
     state = ShardState()
     try:
         while True:
-            # Poll quickly while compiles are in flight, so their results go out promptly.
-            timeout = 0 if time.monotonic() < busy_until else 2 if service.pending else 1000
+            # Poll quickly while requests wait for compiles, so their results go out promptly (not for challengers:
+            # on a CPU every wakeup takes a core from the forward).
+            timeout = 0 if time.monotonic() < busy_until else 2 if service.awaited else 1000
             if poller.poll(timeout):
                 while True:
                     try:
