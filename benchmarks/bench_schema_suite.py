@@ -4,7 +4,8 @@ For each grammar of ``benchmarks/speed_suite/`` (JSON schemas that look like wha
 EBNF grammar) and each concurrency ``c`` of ``--concurrencies``:
 
 1. *new grammar*: one free request, then one constrained request whose grammar the server has never seen (the
-   schema gets a unique ``$comment``): TTFT of each, and their ratio (the compile is in the constrained TTFT);
+   schema gets a unique ``$comment``), their prompts' common prefix cached first: TTFT of each, and their ratio (the
+   compile is in the constrained TTFT);
 2. *constrained*: ``max(--min-requests, 2c)`` streamed chat completions (``response_format`` json_schema /
    ``regex`` / ``ebnf``, temperature ``--temperature``, ``max_tokens`` ``--max-tokens``) with at most ``c`` in
    flight; each output is checked (jsonschema / full regex match) unless cut at ``max_tokens``;
@@ -351,12 +352,17 @@ async def measure(
 
 
 async def new_grammar_ttft(http: Http, args: argparse.Namespace, model: str, g: Grammar) -> dict:
-    """TTFT of a free request, then of a constrained one whose grammar is new to the server (compile included)."""
+    """TTFT of a free request, then of a constrained one whose grammar is new to the server (compile included).
+    A throwaway request first puts their common prompt prefix in the cache (the first request after a pause is also
+    slow on its own), so both prefill the same few new tokens."""
     url = args.base_url + "/v1/chat/completions"
     tag = uuid.uuid4().hex[:12]
-    free = await chat(http, url, request_body(model, f"{g.prompt} ({tag})", 4, 0.0, {"ignore_eos": True}), args.timeout)
+    warm = request_body(model, f"{g.prompt} ({tag}-w)", 1, 0.0, {"ignore_eos": True})
+    await chat(http, url, warm, args.timeout)
+    free_body = request_body(model, f"{g.prompt} ({tag}-f)", 4, 0.0, {"ignore_eos": True})
+    free = await chat(http, url, free_body, args.timeout)
     before = await server_info(http, args.base_url)
-    body = request_body(model, f"{g.prompt} ({tag}.)", 4, 0.0, g.body_fields(tag))
+    body = request_body(model, f"{g.prompt} ({tag}-c)", 4, 0.0, g.body_fields(tag))
     new = await chat(http, url, body, args.timeout)
     after = await server_info(http, args.base_url)
     hist_b = (before.get("grammar_compile_ms") or {}).get("sum_ms") or 0.0
