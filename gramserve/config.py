@@ -150,9 +150,6 @@ class ServerArgs:
     grammar_fill_threads: int | str = "auto"
     # Grammar workers; each constrained request's matcher lives in one (None: the device's default)
     grammar_shards: int | None = None
-    # auto | on | off: without the overlap schedule, wait for a step's masks before its forward (auto: on when the
-    # forward's threads take every core, where a fill beside the forward only slows it)
-    grammar_fill_before_forward: str = "auto"
     grammar_max_bytes: int = 256 * 1024  # largest schema / grammar text accepted
     # auto: a JSON schema no backend enforces exactly is served through the closest enforceable one
     # (grammar/schema_relax.py), its outputs checked; off: such schemas get a 400
@@ -494,13 +491,6 @@ class ServerArgs:
             "without the backends' batch APIs)",
         )
         parser.add_argument(
-            "--grammar-fill-before-forward",
-            choices=["auto", "on", "off"],
-            default=defaults.grammar_fill_before_forward,
-            help="without the overlap schedule (CPU): fill a step's token masks before its forward instead of "
-            "beside it (auto: on when the forward's threads take every core)",
-        )
-        parser.add_argument(
             "--grammar-shards",
             type=_positive_int,
             default=None,
@@ -682,7 +672,6 @@ class Settings:
     grammar_fill_threads: int  # per grammar worker; 0: row by row
     scheduler_threads: int  # torch CPU threads in the scheduler process
     cpu_kernel_threads: int = 1  # threads of the CPU decode kernels
-    grammar_fill_before_forward: bool = False  # plain schedule: masks are waited for before the forward
     # LoRA (max_lora_rank 0: off)
     max_lora_rank: int = 0
     max_loras_per_batch: int = 0

@@ -67,17 +67,7 @@ def test_device_defaults_fill_what_the_command_line_leaves_out(monkeypatch):
         monkeypatch.setattr(settings_module, "available_cores", lambda cores=cores: cores)
         assert resolve_settings(ServerArgs(device="cuda")).grammar_shards == want_shards
         assert resolve_settings(ServerArgs(device="cpu")).grammar_shards == 1
-    # Masks before the forward: auto on a CPU whose forward threads take every core; never under overlap.
-    for cores, threads, want in ((2, None, True), (16, None, False), (16, 16, True), (16, 4, False)):
-        monkeypatch.setattr(settings_module, "available_cores", lambda cores=cores: cores)
-        got = resolve_settings(ServerArgs(device="cpu", num_threads=threads)).grammar_fill_before_forward
-        assert got == want, (cores, threads)
-        assert not resolve_settings(ServerArgs(device="cuda")).grammar_fill_before_forward
     monkeypatch.undo()
-    assert settings("--device", "cpu", "--grammar-fill-before-forward", "off").grammar_fill_before_forward is False
-    one_thread = settings("--device", "cpu", "--num-threads", "1", "--grammar-fill-before-forward", "on")
-    assert one_thread.grammar_fill_before_forward
-    assert settings("--device", "cuda", "--grammar-fill-before-forward", "on").grammar_fill_before_forward is False
     assert settings("--device", "cuda", "--grammar-shards", "3").grammar_shards == 3
     for bad in ("0", "-2", "two"):
         with pytest.raises(SystemExit):  # argparse's usage error, exit status 2

@@ -141,8 +141,8 @@ class GrammarService:
         self.compile_timeout_s = compile_timeout_s
         self.cache_dir = cache_dir
         self.relax = relax  # auto: serve schemas no backend enforces exactly through AUTO_RELAXED
-        # Challengers wait until no step nor compile answer has come for IDLE_S: where the model's forward needs
-        # every core (a CPU), a challenger beside it slowed a new grammar's first request 2-3x (docs/benchmarks.md).
+        # Challengers wait until no step nor compile answer has come for IDLE_S: where the model's forward runs on
+        # the CPU, a challenger beside it takes 0.4-0.9 s of CPU (2 threads) per grammar from it (docs/benchmarks.md).
         self.challenge_when_idle = challenge_when_idle
         self.last_active = 0.0  # time.monotonic() of the last step served or compile answered
         self._backends: dict[str, GrammarBackend] = {}

@@ -66,8 +66,8 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
             fill_threads=settings.grammar_fill_threads,
             cache_dir=default_cache_dir() if args.grammar_cache_dir is None else args.grammar_cache_dir,
             relax=args.grammar_relax,
-            # the same judgement: where the forward needs every core, no background compiles beside it
-            challenge_when_idle=settings.grammar_fill_before_forward,
+            # On a CPU the forward is CPU work too: no background comparisons beside it.
+            challenge_when_idle=settings.device == "cpu",
         )
         feed = FeedReader(shared.shm.buf, settings.max_running_requests)
     except Exception as exc:  # noqa: BLE001 - reported to the launcher

@@ -120,7 +120,6 @@ class Scheduler:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.cache = RadixCache(self.allocator, disabled=args.disable_radix_cache)
         self.overlap = settings.overlap_schedule
-        self.fill_before_forward = settings.grammar_fill_before_forward
         self.mask_applier: MaskApplier | None = None
         if grammar is not None:
             grammar.attach(self.device, use_feed=self.overlap)  # first: on CUDA it page-locks the masks' memory
@@ -302,10 +301,6 @@ class Scheduler:
         grammar = None
         if not self.overlap:  # every input token is known: masks are filled while the model runs
             grammar = self._masks_for(self._grammar_rows(reqs, sampling))
-            if grammar is not None and self.fill_before_forward:  # ... or before it, where it needs every core
-                self.phases.lap("launch_forward")
-                self.grammar.wait(grammar.step)
-                self.phases.lap("grammar_fill")
         try:
             logits = self.runner.forward(batch)
         except Exception:

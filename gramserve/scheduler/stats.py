@@ -18,8 +18,7 @@ class StepPhases:
     record_tokens: per-request bookkeeping of those ids (under overlap also asking for the masks of rows the token
     feed does not refill); output: build the detokenizer message and free what finished; grammar_feed: tell the
     grammar processes which of this step's sampled ids will reach them through the token feed (overlap);
-    grammar_apply: wait for the grammar masks and apply them; launch_sampling: queue the sampling; grammar_fill:
-    wait for the masks before the forward (`Settings.grammar_fill_before_forward`).
+    grammar_apply: wait for the grammar masks and apply them; launch_sampling: queue the sampling.
     """
 
     NAMES = (
@@ -30,7 +29,6 @@ class StepPhases:
         "grammar_feed",
         "grammar_apply",
         "launch_sampling",
-        "grammar_fill",
     )
 
     def __init__(self):

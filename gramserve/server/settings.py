@@ -96,15 +96,6 @@ def resolve_settings(args: ServerArgs) -> Settings:
     overlap = device == "cuda" if args.overlap_schedule == "auto" else args.overlap_schedule == "on"
     graphs = 0 if device != "cuda" or args.disable_cuda_graph else given_or_default("cuda_graph_max_bs")
     model_processes = args.tp_size // args.nnodes * args.dp_size  # on this host
-    scheduler = args.num_threads or scheduler_threads(device, model_processes)
-    kernel_threads = args.cpu_kernel_threads or args.num_threads or scheduler_threads(device, model_processes)
-    # A fill running beside a forward whose threads hold every core preempts one of them, and the others wait for
-    # it at the next barrier: on a 2-core CPU the forward grew by 3-4x the fill time (docs/benchmarks.md).
-    fill_first = args.grammar_fill_before_forward == "on" or (
-        args.grammar_fill_before_forward == "auto"
-        and not overlap
-        and max(scheduler, kernel_threads) * model_processes >= available_cores()
-    )
     return Settings(
         device=device,
         dtype=dtype,
@@ -117,9 +108,8 @@ def resolve_settings(args: ServerArgs) -> Settings:
         max_consecutive_prefills=given_or_default("max_consecutive_prefills"),
         grammar_shards=shards,
         grammar_fill_threads=resolve_fill_threads(args.grammar_fill_threads, shards),
-        scheduler_threads=scheduler,
-        cpu_kernel_threads=kernel_threads,
-        grammar_fill_before_forward=fill_first and not overlap,
+        scheduler_threads=args.num_threads or scheduler_threads(device, model_processes),
+        cpu_kernel_threads=args.cpu_kernel_threads or args.num_threads or scheduler_threads(device, model_processes),
         **resolve_lora(args),
     )
 
