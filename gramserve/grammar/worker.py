@@ -109,7 +109,7 @@ def finish_compiles_for(service: GrammarService, rids: list[str], to_scheduler: 
     """Wait until none of `rids` waits for a compile, answering compiles meanwhile. The scheduler runs a request
     before its compile answer only when this shard compiled the grammar lately (GrammarClient.compile); if the
     cache has dropped it since, the step that fills its row waits here for the compile (its timeout bounds it)."""
-    if not service.pending:  # the usual case: nothing compiling, no per-row look
+    if not service.awaited:  # the usual case: nothing that requests wait for is compiling, no per-row look
         return
     waiting = [rid for rid in rids if service.flight_of(rid) is not None]
     while waiting:
