@@ -61,7 +61,10 @@ def _build(source: str, compiler: str, flags: list[str]) -> str:
 
 
 def load_library(source: str, flags: list[str]) -> ctypes.CDLL | None:
-    """The library built from `source`, or None where it cannot be used here (the reason is logged once)."""
+    """The library built from `source`, or None where it cannot be used here (the reason is logged once). Callers
+    may ask every step: after the first call this is one dict lookup."""
+    if source in _loaded:
+        return _loaded[source]
     with _lock:
         if source in _loaded:
             return _loaded[source]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 
 import torch
 
@@ -20,9 +19,6 @@ from gramserve.native import AVX2_FLAGS, load_library
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels.c")
 FLAGS = [*AVX2_FLAGS, "-fopenmp"]
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
 _threads = 1
 
 
@@ -38,15 +34,10 @@ def threads() -> int:
 
 def load() -> ctypes.CDLL | None:
     """The kernel library, or None where it cannot be used here (`gramserve.native` logs why once)."""
-    global _lib, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            lib = load_library(SOURCE, FLAGS)
-            if lib is not None:
-                _declare(lib)
-            _lib = lib
-        return _lib
+    lib = load_library(SOURCE, FLAGS)
+    if lib is not None and lib.gs_qgemm.argtypes is None:
+        _declare(lib)
+    return lib
 
 
 def _declare(lib: ctypes.CDLL) -> None:
