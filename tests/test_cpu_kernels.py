@@ -18,6 +18,19 @@ lib = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(lib is None, reason="CPU kernels cannot be built here (no AVX2/FMA or no compiler)")
 
 
+HAS_AVX512 = lib is not None and cpu_kernels.use_avx512(lib)
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request):
+    """Run the test on each instruction set the library dispatches to (AVX-512 where this CPU has it)."""
+    if request.param == "avx512" and not HAS_AVX512:
+        pytest.skip("this CPU has no AVX-512")
+    cpu_kernels.use_avx512(lib, request.param == "avx512")
+    yield request.param
+    cpu_kernels.use_avx512(lib, True)
+
+
 def random_blocks(bits: int, n: int, k: int, gen: torch.Generator) -> BlockWeight:
     nb = k // 32
     width = 16 if bits == 4 else 32
@@ -28,9 +41,9 @@ def random_blocks(bits: int, n: int, k: int, gen: torch.Generator) -> BlockWeigh
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 13, 20])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 13, 20])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_qgemm_matches_the_dequantized_matmul(bits, rows, threads):
+def test_qgemm_matches_the_dequantized_matmul(bits, rows, threads, isa):
     gen = torch.Generator().manual_seed(rows * 10 + bits)
     blocks = random_blocks(bits, 37, 96, gen)
     x = torch.randn(rows, 96, generator=gen)
@@ -53,9 +66,10 @@ def test_q8_0_rounding_is_within_half_a_step():
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rmsnorm(with_residual):
-    x, w = torch.randn(5, 576), torch.rand(576) + 0.5
-    residual = torch.randn(5, 576) if with_residual else None
+@pytest.mark.parametrize("rows,width", [(5, 576), (2, 100)])
+def test_rmsnorm(with_residual, rows, width):
+    x, w = torch.randn(rows, width), torch.rand(width) + 0.5
+    residual = torch.randn(rows, width) if with_residual else None
     total = x + residual if with_residual else x
     ref = w * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5))
     res_arg = residual.clone() if with_residual else None
@@ -65,8 +79,9 @@ def test_rmsnorm(with_residual):
         torch.testing.assert_close(res_arg, total)  # the sum is left in the residual stream
 
 
-def test_silu_mul():
-    gu = torch.randn(3, 2 * 1536) * 4
+@pytest.mark.parametrize("rows", [3, 16])
+def test_silu_mul(rows):
+    gu = torch.randn(rows, 2 * 1536) * 4
     gate, up = gu.chunk(2, dim=-1)
     torch.testing.assert_close(cpu_kernels.silu_mul(lib, gu), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
@@ -101,12 +116,13 @@ def test_rope_store_matches_the_torch_rope_and_fills_the_cache():
     assert torch.equal(v_cache[loc], v_ref.reshape(t, hkv, d))
 
 
-@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (8, 1)])
-def test_decode_attention_matches_sdpa_over_the_gathered_slots(hq, hkv):
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (4, 4, 64), (8, 1, 64), (4, 2, 128), (6, 2, 32)])
+def test_decode_attention_matches_sdpa_over_the_gathered_slots(hq, hkv, d, isa):
     gen = torch.Generator().manual_seed(hq * 7 + hkv)
-    d, slots, max_len = 64, 300, 40
+    # 1,500 rows: past the AVX-512 path's stack buffer for the scores (its heap fallback)
+    slots, max_len = 1600, 1500
     k_cache, v_cache = torch.randn(slots, hkv, d, generator=gen), torch.randn(slots, hkv, d, generator=gen)
-    lens = torch.tensor([1, 17, 40])
+    lens = torch.tensor([1, 17, 1500])
     table = torch.zeros(4, max_len, dtype=torch.int32)
     rows = torch.tensor([2, 0, 3])
     for r, n in zip(rows.tolist(), lens.tolist()):
@@ -153,7 +169,8 @@ def test_decode_with_kernels_matches_the_torch_path(runners):
 
     kernels, plain = runners
     assert plain.info.cpu_decode == "torch"
-    prompts = [[1, 504, 3458, 314, 253], [9690, 198, 30, 12, 1205, 3021, 28, 7, 99, 13]]
+    # Five rows: the kernels' batch path (4 rows or more) as well as the few-row one (the HF tests).
+    prompts = [[1, 504, 3458, 314, 253], [9690, 198, 30, 12, 1205, 3021, 28, 7, 99, 13], [42, 7, 1000], [5] * 9, [77]]
     outs = []
     for runner in (kernels, plain):
         h = Harness(runner)

@@ -1,4 +1,6 @@
-/* CPU kernels for the decode step (AVX2 + FMA, OpenMP), built on first use by cpu_kernels.py.
+/* CPU kernels for the decode step (AVX2 + FMA, OpenMP), built on first use by cpu_kernels.py. Where the CPU has
+   AVX-512 (checked at run time, `gs_use_avx512`), the matmul and the decode attention take 16-lane versions compiled
+   for it in the same library (the section between `push_options` and `pop_options`).
 
    gs_qgemm: y[M, N] = x[M, K] @ W^T for block-quantized W (GGUF's Q4_1 and Q8_0 block formats, repacked):
      32 weights per block; Q4_1: value = d * q + m with q in 0..15, element j of a block in the low nibble of
@@ -19,6 +21,15 @@ static inline float hsum(__m256 v) {
     lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
     lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
     return _mm_cvtss_f32(lo);
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+    __m256 acc = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
+    float s = hsum(acc);
+    for (; j < n; j++) s += a[j] * b[j];
+    return s;
 }
 
 static inline __attribute__((always_inline)) void unpack_block(int bits, const uint8_t *p, __m256 q[4]) {
@@ -120,6 +131,15 @@ static void dots_q8(int mb, const float *x, int K, int nb, const uint8_t *qs, co
     DOTS(8)
 }
 
+int gs_use_avx512(int on);
+static void qgemm512(int bits, const float *x, int M, int K, const uint8_t *qs, const float *d, const float *m,
+                     int N, float *y, int nthreads);
+static void few_rows512(int bits, const float *x, int M, int K, const uint8_t *qs, const float *d, const float *m,
+                        int N, float *y, int nthreads, const float *xsum);
+static int attention512(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
+                        int64_t table_stride, const int64_t *row_of, const int64_t *lens, int B, int Hq, int Hkv,
+                        int D, float scale, float *out, int nthreads);
+
 /* bits: 4 (Q4_1, m given) or 8 (Q8_0, m NULL). K must be a multiple of 32. */
 int gs_qgemm(int bits, const float *x, int M, int K, const uint8_t *qs, const float *d, const float *m, int N,
              float *y, int nthreads) {
@@ -134,6 +154,10 @@ int gs_qgemm(int bits, const float *x, int M, int K, const uint8_t *qs, const fl
             const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
                                            _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
             xsum[i] = hsum(s);
+        }
+        if (gs_use_avx512(-1)) {
+            few_rows512(bits, x, M, K, qs, d, m, N, y, nthreads, xsum);
+            return 0;
         }
 #pragma omp parallel for num_threads(nthreads) schedule(guided, 8)
         for (int n = 0; n < N; n++) {
@@ -153,6 +177,10 @@ int gs_qgemm(int bits, const float *x, int M, int K, const uint8_t *qs, const fl
         }
         return 0;
     }
+    if (M >= 4 && gs_use_avx512(-1)) {
+        qgemm512(bits, x, M, K, qs, d, m, N, y, nthreads);
+        return 0;
+    }
 #pragma omp parallel for num_threads(nthreads) schedule(guided, 8)
     for (int n = 0; n < N; n++) {
         const uint8_t *qrow = qs + (size_t)n * nb * bytes;
@@ -170,30 +198,296 @@ int gs_qgemm(int bits, const float *x, int M, int K, const uint8_t *qs, const fl
     return 0;
 }
 
-/* out = rmsnorm(x) * w row by row; with residual != NULL, residual += x first and the norm is of the sum. */
+/* ---- AVX-512 matmul for batches of 4 rows or more (compiled for AVX-512, chosen at run time) --------------------
+   A tile of up to 8 rows of x and 2 weight rows: each weight block is dequantized once into two 16-lane vectors
+   and used by all 8 rows, each x vector loaded once and used by both weight rows (16 accumulators, 22 registers
+   of 32). Dequantization is the same two roundings as above, so the weights are the same values. */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma")
+
+static inline __attribute__((always_inline)) void dequant16(int bits, const uint8_t *p, float d, float m,
+                                                            __m512 w[2]) {
+    const __m512 dv = _mm512_set1_ps(d);
+    if (bits == 4) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)p);
+        const __m128i mask = _mm_set1_epi8(15);
+        const __m512 mv = _mm512_set1_ps(m);
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+        w[0] = _mm512_add_ps(_mm512_mul_ps(dv, lo), mv);
+        w[1] = _mm512_add_ps(_mm512_mul_ps(dv, hi), mv);
+    } else {
+        w[0] = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))));
+        w[1] = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16)))));
+    }
+}
+
+/* y[i, n + j] for i < mr, j < nr: rows x[0..mr) against weight rows n, n + 1. */
+static inline __attribute__((always_inline)) void tile512(int bits, int mr, int nr, const float *x, int K, int nb,
+                                                          const uint8_t *qs, const float *d, const float *m, int n,
+                                                          float *y, int N) {
+    const int bytes = bits == 4 ? 16 : 32;
+    __m512 acc[8][2];
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        __m512 w[2][2];
+        for (int j = 0; j < nr; j++) {
+            const size_t blk = (size_t)(n + j) * nb + b;
+            dequant16(bits, qs + blk * bytes, d[blk], m == NULL ? 0.0f : m[blk], w[j]);
+        }
+        for (int i = 0; i < mr; i++) {
+            const float *xb = x + (size_t)i * K + (size_t)b * 32;
+            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+            for (int j = 0; j < nr; j++) {
+                acc[i][j] = _mm512_fmadd_ps(x0, w[j][0], acc[i][j]);
+                acc[i][j] = _mm512_fmadd_ps(x1, w[j][1], acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int j = 0; j < nr; j++) y[(size_t)i * N + n + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+#define TILE512(BITS, MR)                                                                                  \
+    case MR:                                                                                               \
+        if (nr == 2) tile512(BITS, MR, 2, xr, K, nb, qs, d, m, n, yr, N);                                  \
+        else tile512(BITS, MR, 1, xr, K, nb, qs, d, m, n, yr, N);                                          \
+        break;
+#define TILES512(BITS)                                                                                     \
+    switch (mr) {                                                                                          \
+        TILE512(BITS, 1) TILE512(BITS, 2) TILE512(BITS, 3) TILE512(BITS, 4)                                \
+        TILE512(BITS, 5) TILE512(BITS, 6) TILE512(BITS, 7) default: TILE512(BITS, 8)                       \
+    }
+
+static void qgemm512(int bits, const float *x, int M, int K, const uint8_t *qs, const float *d, const float *m,
+                     int N, float *y, int nthreads) {
+    const int nb = K / 32, pairs = (N + 1) / 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int p = 0; p < pairs; p++) {
+        const int n = 2 * p, nr = N - n >= 2 ? 2 : 1;
+        for (int m0 = 0; m0 < M; m0 += 8) {
+            const int mr = M - m0 < 8 ? M - m0 : 8;
+            const float *xr = x + (size_t)m0 * K;
+            float *yr = y + (size_t)m0 * N;
+            if (bits == 4) {
+                TILES512(4)
+            } else {
+                TILES512(8)
+            }
+        }
+    }
+}
+
+/* 1 to 3 rows (memory-bound): row_dots_scaled's arithmetic, 16 lanes wide. */
+static inline __attribute__((always_inline)) void few_dots512(int bits, int mb, const float *x, int K, int nb,
+                                                              const uint8_t *qs, const float *d, const float *m,
+                                                              const float *xsum, float *out) {
+    const int bytes = bits == 4 ? 16 : 32;
+    __m512 acc[3];
+    for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *p = qs + (size_t)b * bytes;
+        __m512 q0, q1;
+        if (bits == 4) {
+            const __m128i v = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(15);
+            q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(v, mask)));
+            q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+        } else {
+            q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+            q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+        }
+        const __m512 dv = _mm512_set1_ps(d[b]);
+        for (int i = 0; i < mb; i++) {
+            const float *xb = x + (size_t)i * K + (size_t)b * 32;
+            const __m512 t = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(q0, _mm512_loadu_ps(xb)));
+            acc[i] = _mm512_fmadd_ps(dv, t, acc[i]);
+        }
+    }
+    for (int i = 0; i < mb; i++) out[i] = _mm512_reduce_add_ps(acc[i]) + (m == NULL ? 0.0f : dot(m, xsum + (size_t)i * nb, nb));
+}
+
+static void few_rows512(int bits, const float *x, int M, int K, const uint8_t *qs, const float *d, const float *m,
+                        int N, float *y, int nthreads, const float *xsum) {
+    const int nb = K / 32, bytes = bits == 4 ? 16 : 32;
+#pragma omp parallel for num_threads(nthreads) schedule(guided, 8)
+    for (int n = 0; n < N; n++) {
+        const uint8_t *qrow = qs + (size_t)n * nb * bytes;
+        const float *drow = d + (size_t)n * nb, *mrow = m == NULL ? NULL : m + (size_t)n * nb;
+        float out[3];
+        if (bits == 4) {
+            if (M == 1) few_dots512(4, 1, x, K, nb, qrow, drow, mrow, xsum, out);
+            else if (M == 2) few_dots512(4, 2, x, K, nb, qrow, drow, mrow, xsum, out);
+            else few_dots512(4, 3, x, K, nb, qrow, drow, mrow, xsum, out);
+        } else {
+            if (M == 1) few_dots512(8, 1, x, K, nb, qrow, drow, NULL, xsum, out);
+            else if (M == 2) few_dots512(8, 2, x, K, nb, qrow, drow, NULL, xsum, out);
+            else few_dots512(8, 3, x, K, nb, qrow, drow, NULL, xsum, out);
+        }
+        for (int i = 0; i < M; i++) y[(size_t)i * N + n] = out[i];
+    }
+}
+
+#define PREFETCH_ROWS 8
+
+/* exp of 16 lanes: exp8's polynomial. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                                   _mm512_set1_ps(0.5f)),
+                                     _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_sub_ps(x, _mm512_mul_ps(fx, _mm512_set1_ps(0.693359375f)));
+    x = _mm512_sub_ps(x, _mm512_mul_ps(fx, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+/* One (request, KV head) of decode attention for G query heads of width 16 * DV (G * DV <= 16): the scores of
+   every KV row, their softmax, then the V rows weighted into G outputs held in registers. p: G * Lp floats. */
+static inline __attribute__((always_inline)) void attn_task512(int G, int DV, const float *qb, const float *k_cache,
+                                                               const float *v_cache, const int32_t *slots, int L,
+                                                               int Lp, int Hkv, int kvh, float scale, float *p,
+                                                               float *ob) {
+    const int D = 16 * DV;
+    __m512 qv[16];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < DV; j++) qv[g * DV + j] = _mm512_loadu_ps(qb + g * D + 16 * j);
+    for (int t = 0; t < L; t++) {
+        const float *kt = k_cache + ((size_t)slots[t] * Hkv + kvh) * D;
+        if (t + PREFETCH_ROWS < L) { /* the slots are scattered: fetch rows ahead of use */
+            const size_t ahead = ((size_t)slots[t + PREFETCH_ROWS] * Hkv + kvh) * D;
+            for (int j = 0; j < D; j += 16) {
+                _mm_prefetch((const char *)(k_cache + ahead + j), _MM_HINT_T0);
+                _mm_prefetch((const char *)(v_cache + ahead + j), _MM_HINT_T1);
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            __m512 acc = _mm512_mul_ps(qv[g * DV], _mm512_loadu_ps(kt));
+            for (int j = 1; j < DV; j++) acc = _mm512_fmadd_ps(qv[g * DV + j], _mm512_loadu_ps(kt + 16 * j), acc);
+            p[(size_t)g * Lp + t] = scale * _mm512_reduce_add_ps(acc);
+        }
+    }
+    float inv[16];
+    for (int g = 0; g < G; g++) {
+        float *pg = p + (size_t)g * Lp;
+        for (int t = L; t < Lp; t++) pg[t] = -INFINITY;
+        __m512 vm = _mm512_set1_ps(-INFINITY);
+        for (int t = 0; t < Lp; t += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(pg + t));
+        vm = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+        __m512 vs = _mm512_setzero_ps();
+        for (int t = 0; t < Lp; t += 16) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(pg + t), vm));
+            _mm512_storeu_ps(pg + t, e);
+            vs = _mm512_add_ps(vs, e);
+        }
+        inv[g] = 1.0f / _mm512_reduce_add_ps(vs);
+    }
+    __m512 o[16];
+    for (int i = 0; i < G * DV; i++) o[i] = _mm512_setzero_ps();
+    for (int t = 0; t < L; t++) {
+        const float *vt = v_cache + ((size_t)slots[t] * Hkv + kvh) * D;
+        __m512 v[8];
+        for (int j = 0; j < DV; j++) v[j] = _mm512_loadu_ps(vt + 16 * j);
+        for (int g = 0; g < G; g++) {
+            const __m512 pv = _mm512_set1_ps(p[(size_t)g * Lp + t]);
+            for (int j = 0; j < DV; j++) o[g * DV + j] = _mm512_fmadd_ps(pv, v[j], o[g * DV + j]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < DV; j++)
+            _mm512_storeu_ps(ob + g * D + 16 * j, _mm512_mul_ps(o[g * DV + j], _mm512_set1_ps(inv[g])));
+}
+
+#define ATTN512(GG, DD)                                                                                    \
+    case GG * 16 + DD:                                                                                     \
+        attn_task512(GG, DD, qb, k_cache, v_cache, slots, L, Lp, Hkv, kvh, scale, p, ob);                 \
+        break;
+
+/* gs_decode_attention for G * D / 16 <= 16 with D = 64 or 128; returns 1 if it cannot take the shape. */
+static int attention512(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
+                        int64_t table_stride, const int64_t *row_of, const int64_t *lens, int B, int Hq, int Hkv,
+                        int D, float scale, float *out, int nthreads) {
+    const int G = Hq / Hkv, DV = D / 16;
+    if ((D != 64 && D != 128) || G * DV > 16) return 1;
+    int failed = 0;
+#pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
+    for (int task = 0; task < B * Hkv; task++) {
+        const int b = task / Hkv, kvh = task % Hkv, L = (int)lens[b];
+        const int Lp = (L + 15) & ~15;
+        float local[4096];
+        float *p = (size_t)G * (Lp > 0 ? Lp : 16) <= 4096 ? local : malloc(sizeof(float) * (size_t)G * Lp);
+        if (p == NULL) {
+            failed = 1;
+            continue;
+        }
+        const int32_t *slots = table + row_of[b] * table_stride;
+        const float *qb = q + ((size_t)b * Hq + kvh * G) * D;
+        float *ob = out + ((size_t)b * Hq + kvh * G) * D;
+        switch (G * 16 + DV) {
+            ATTN512(1, 4) ATTN512(2, 4) ATTN512(3, 4) ATTN512(4, 4)
+            ATTN512(1, 8) ATTN512(2, 8)
+            default: failed = 2; /* G * DV <= 16 leaves only these */
+        }
+        if (p != local) free(p);
+    }
+    return failed ? -2 : 0;
+}
+#pragma GCC pop_options
+
+static int avx512 = -1; /* -1: not yet asked; gs_use_avx512 sets it */
+
+/* Turn the AVX-512 matmul on (where the CPU has it) or off; returns whether it is on. on < 0: only ask. */
+int gs_use_avx512(int on) {
+    if (on >= 0 || avx512 < 0) {
+        __builtin_cpu_init();
+        const int has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+        avx512 = has && on != 0;
+    }
+    return avx512;
+}
+
+/* out = rmsnorm(x) * w row by row; with residual != NULL, residual += x first and the norm is of the sum. The sum of
+   squares is accumulated in double. Rows run on the OpenMP team (torch's threads) when there are a few. */
 void gs_rmsnorm(const float *x, float *residual, const float *w, float eps, int M, int N, float *out) {
+#pragma omp parallel for if (M >= 4) schedule(static)
     for (int i = 0; i < M; i++) {
         const float *xi = x + (size_t)i * N;
         float *src = (float *)xi;
         if (residual != NULL) {
             src = residual + (size_t)i * N;
-            for (int j = 0; j < N; j++) src[j] += xi[j];
+            int j = 0;
+            for (; j + 8 <= N; j += 8)
+                _mm256_storeu_ps(src + j, _mm256_add_ps(_mm256_loadu_ps(src + j), _mm256_loadu_ps(xi + j)));
+            for (; j < N; j++) src[j] += xi[j];
         }
-        double ss = 0.0;
-        for (int j = 0; j < N; j++) ss += (double)src[j] * src[j];
+        __m256d acc0 = _mm256_setzero_pd(), acc1 = _mm256_setzero_pd();
+        int j = 0;
+        for (; j + 8 <= N; j += 8) {
+            const __m256 v = _mm256_loadu_ps(src + j);
+            const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+            acc0 = _mm256_fmadd_pd(lo, lo, acc0);
+            acc1 = _mm256_fmadd_pd(hi, hi, acc1);
+        }
+        double lanes[4];
+        _mm256_storeu_pd(lanes, _mm256_add_pd(acc0, acc1));
+        double ss = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+        for (; j < N; j++) ss += (double)src[j] * src[j];
         const float r = 1.0f / sqrtf((float)(ss / N) + eps);
+        const __m256 rv = _mm256_set1_ps(r);
         float *o = out + (size_t)i * N;
-        for (int j = 0; j < N; j++) o[j] = w[j] * (src[j] * r);
+        j = 0;
+        for (; j + 8 <= N; j += 8)
+            _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_loadu_ps(w + j), _mm256_mul_ps(_mm256_loadu_ps(src + j), rv)));
+        for (; j < N; j++) o[j] = w[j] * (src[j] * r);
     }
-}
-
-static inline float dot(const float *a, const float *b, int n) {
-    __m256 acc = _mm256_setzero_ps();
-    int j = 0;
-    for (; j + 8 <= n; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), _mm256_loadu_ps(b + j), acc);
-    float s = hsum(acc);
-    for (; j < n; j++) s += a[j] * b[j];
-    return s;
 }
 
 /* exp of 8 lanes (Cephes' polynomial; relative error about 2e-7 for |x| < 88). */
@@ -220,6 +514,9 @@ static inline __m256 exp8(__m256 x) {
 int gs_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
                         int64_t table_stride, const int64_t *row_of, const int64_t *lens, int B, int Hq, int Hkv,
                         int D, float scale, float *out, int nthreads) {
+    if (gs_use_avx512(-1) && attention512(q, k_cache, v_cache, table, table_stride, row_of, lens, B, Hq, Hkv, D,
+                                          scale, out, nthreads) == 0)
+        return 0;
     const int G = Hq / Hkv;
     int failed = 0;
 #pragma omp parallel for num_threads(nthreads) schedule(dynamic, 1) reduction(| : failed)
@@ -293,6 +590,7 @@ void gs_rope_store(const float *qkv, int T, int Hq, int Hkv, int D, const float 
 
 /* out[t, j] = silu(gu[t, j]) * gu[t, I + j] for gu [T, 2I]. */
 void gs_silu_mul(const float *gu, int T, int I, float *out) {
+#pragma omp parallel for if (T >= 4) schedule(static)
     for (int t = 0; t < T; t++) {
         const float *g = gu + (size_t)t * 2 * I, *u = g + I;
         float *o = out + (size_t)t * I;

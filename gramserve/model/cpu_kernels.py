@@ -1,5 +1,8 @@
 """The CPU decode kernels of `cpu_kernels.c`: built once with the system C compiler, cached, loaded with ctypes.
 
+The library is built for AVX2 + FMA; its matmul and decode attention also carry AVX-512 versions that it picks at
+run time where the CPU has AVX-512 (`use_avx512` tells, and turns them off for a comparison).
+
 The library links libgomp by its soname, so in a process that imported torch it shares torch's OpenMP runtime
 (one thread pool; --num-threads sets the count for both).
 
@@ -52,6 +55,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gs_rope_store.restype = None
     lib.gs_silu_mul.argtypes = [p, i, i, p]
     lib.gs_silu_mul.restype = None
+    lib.gs_use_avx512.argtypes = [i]
+    lib.gs_use_avx512.restype = i
+
+
+def use_avx512(lib: ctypes.CDLL, on: bool | None = None) -> bool:
+    """Whether matmuls of 4 rows or more take the AVX-512 path (where the CPU has it); `on` turns it on or off."""
+    return bool(lib.gs_use_avx512(-1 if on is None else int(on)))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
