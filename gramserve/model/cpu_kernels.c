@@ -238,7 +238,10 @@ static inline __attribute__((always_inline)) void tile512(int bits, int mr, int 
         }
         for (int i = 0; i < mr; i++) {
             const float *xb = x + (size_t)i * K + (size_t)b * 32;
-            const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+            __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+            /* Keep x in registers: left alone, the compiler folds the loads into both weight rows' FMAs (a
+               load per FMA), which measured 15% slower. */
+            __asm__("" : "+v"(x0), "+v"(x1));
             for (int j = 0; j < nr; j++) {
                 acc[i][j] = _mm512_fmadd_ps(x0, w[j][0], acc[i][j]);
                 acc[i][j] = _mm512_fmadd_ps(x1, w[j][1], acc[i][j]);
