@@ -1,6 +1,6 @@
 /* CPU kernels for the decode step (AVX2 + FMA, OpenMP), built on first use by cpu_kernels.py. Where the CPU has
    AVX-512 (checked at run time, `gs_use_avx512`), the matmul and the decode attention take 16-lane versions compiled
-   for it in the same library (the section between `push_options` and `pop_options`).
+   for it in the same library (the section between the target pragmas' push and pop).
 
    gs_qgemm: y[M, N] = x[M, K] @ W^T for block-quantized W (GGUF's Q4_1 and Q8_0 block formats, repacked):
      32 weights per block; Q4_1: value = d * q + m with q in 0..15, element j of a block in the low nibble of
@@ -202,8 +202,12 @@ int gs_qgemm(int bits, const float *x, int M, int K, const uint8_t *qs, const fl
    A tile of up to 8 rows of x and 2 weight rows: each weight block is dequantized once into two 16-lane vectors
    and used by all 8 rows, each x vector loaded once and used by both weight rows (16 accumulators, 22 registers
    of 32). Dequantization is the same two roundings as above, so the weights are the same values. */
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,fma"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,fma")
+#endif
 
 static inline __attribute__((always_inline)) void dequant16(int bits, const uint8_t *p, float d, float m,
                                                             __m512 w[2]) {
@@ -442,7 +446,11 @@ static int attention512(const float *q, const float *k_cache, const float *v_cac
     }
     return failed ? -2 : 0;
 }
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
 
 static int avx512 = -1; /* -1: not yet asked; gs_use_avx512 sets it */
 
