@@ -96,6 +96,7 @@ class ServerArgs:
     # auto: on for CUDA (the CPU work of step N+1 runs while the GPU computes step N), off on CPU, where the
     # forward is synchronous and overlapping only costs one wasted token per finishing request.
     overlap_schedule: str = "auto"  # auto | on | off
+    mixed_decode: str = "auto"  # auto | on | off: running requests decode inside prefill steps (not under overlap)
     max_running_requests: int | None = None
     max_prefill_tokens: int = 8192  # tokens in one prefill step
     chunked_prefill_size: int | None = None  # long prompts are prefilled in chunks of this many tokens (0: off)
@@ -304,6 +305,13 @@ class ServerArgs:
             default=defaults.overlap_schedule,
             choices=["auto", "on", "off"],
             help="prepare step N+1 on the CPU while the GPU runs step N (auto: on for CUDA)",
+        )
+        parser.add_argument(
+            "--mixed-decode",
+            default=defaults.mixed_decode,
+            choices=["auto", "on", "off"],
+            help="running requests decode their next token inside a prefill step instead of waiting for it "
+            "(auto: on for a CPU; needs the overlap schedule off, where every input token is on the host)",
         )
         parser.add_argument(
             "--disable-overlap-schedule",
@@ -665,6 +673,7 @@ class Settings:
     sampling_backend: str  # torch | flashinfer
     overlap_schedule: bool
     max_running_requests: int
+    mixed_decode: bool  # running requests ride along in prefill steps
     chunked_prefill_size: int  # 0: no chunking
     cuda_graph_max_bs: int  # 0: decode runs without CUDA graphs
     max_consecutive_prefills: int  # 0: no limit

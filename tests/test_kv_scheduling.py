@@ -194,6 +194,25 @@ def test_http_queue_limit_is_503(tight_server):
     assert wait_pool_whole(url)["used_slots"] == 0
 
 
+def test_mixed_decode_gives_the_same_tokens(tokenizer):
+    """Running requests that decode inside prefill steps (--mixed-decode, the CPU default) get the same greedy
+    tokens as with separate decode steps, whatever the chunking and memory pressure, and the pool ends whole."""
+    prompts = _workload()
+    # Small chunks: the first prompts decode while later ones are still being prefilled.
+    for kw in (
+        {"waves": 1, "chunked_prefill_size": 16},
+        {"waves": 2, "chunked_prefill_size": 64},
+        {"waves": 1, "kv_cache_memory_gb": 0.0075, "context_length": 256, "kv_reserve_ratio": 0.0,
+         "chunked_prefill_size": 64},
+    ):  # fmt: skip
+        kw = {"kv_cache_memory_gb": 0.3, **kw}
+        separate, _ = _run(tokenizer, prompts, mixed_decode="off", **kw)
+        mixed, info = _run(tokenizer, prompts, mixed_decode="on", **kw)
+        assert mixed == separate, kw
+        assert info["stats"]["mixed_decode_rows"] > 0, info["stats"]
+        _assert_whole(info)
+
+
 @pytest.mark.parametrize("overlap", ["off", "on"])
 def test_max_consecutive_prefills_bounds_the_stall_of_running_streams(tokenizer, overlap):
     """A request decodes while a long prompt (6 chunks of 16 tokens) and two short ones arrive. With a limit of N,
@@ -205,6 +224,7 @@ def test_max_consecutive_prefills_bounds_the_stall_of_running_streams(tokenizer,
         chunked_prefill_size=16,
         max_consecutive_prefills=1,
         overlap_schedule=overlap,
+        mixed_decode="off",  # decode rows riding in prefill steps would not stall (test_mixed_decode...)
         kv_cache_memory_gb=0.05,
         context_length=256,
     )

@@ -149,6 +149,9 @@ class Scheduler:
         self.finished_early: list[Req] = []  # rejected before running; reported by the next step
         self._prefills_in_a_row = 0  # prefill steps since the last decode step
         self.max_consecutive_prefills = settings.max_consecutive_prefills  # while requests decode; 0: no limit
+        # Running requests decode inside prefill steps (plain schedule: their last tokens are on the host). Not with
+        # LoRA or images, whose prefill batches carry per-request extras that decode rows do not have.
+        self.mixed_decode = settings.mixed_decode and self.lora is None and encoder is None
         self.phases = StepPhases()
 
     # --- arrival --------------------------------------------------------------------------------
@@ -216,7 +219,7 @@ class Scheduler:
 
     @property
     def _last_was_prefill(self) -> bool:
-        """The last forward step was a prefill (extend) step."""
+        """The last forward step was a prefill (extend) step without decode riders (tests read it)."""
         return self._prefills_in_a_row > 0
 
     @property
@@ -279,13 +282,18 @@ class Scheduler:
         if self.admission.failed:
             self.finished_early += self.admission.failed
             self.admission.failed = []
+        riders: list[Req] = []
         if picked:
-            self._prefills_in_a_row += 1
-            batch = self.batches.prefill(picked)
-            reqs = [r for r, _ in picked]
-            # Only requests whose whole prompt is now in the cache sample a token.
-            sampling = [r for r in reqs if r.kv_len == len(r.fill_ids)]
-            self.stats["prompt_tokens"] += sum(batch.extend_seq_lens_cpu)
+            riders = self._riders(picked)
+            # Decode rows that ride along are not stalled: the step does not count against the prefill limit.
+            self._prefills_in_a_row = 0 if riders else self._prefills_in_a_row + 1
+            batch = self.batches.prefill(picked + [(r, 1) for r in riders])
+            # Only requests whose whole prompt is now in the cache sample a token; riders' rows come last.
+            prompted = [r for r, _ in picked]
+            completed = [r for r in prompted if r.kv_len == len(r.fill_ids)]
+            reqs, sampling = prompted + riders, completed + riders
+            self.stats["prompt_tokens"] += sum(n for _, n in picked)
+            self.stats["mixed_decode_rows"] += len(riders)
         elif any(r.finished is None for r in self.running):
             self._prefills_in_a_row = 0
             if self.kv.available() < len(self.running):
@@ -310,7 +318,7 @@ class Scheduler:
         self.stats["forward_steps"] += 1
         if picked:
             chunked = self.admission.chunked
-            for req in sampling:  # their prefill is complete: they decode from now on
+            for req in completed:  # their prefill is complete: they decode from now on
                 if req is chunked:
                     self.admission.chunked = None
                 if req.finished is None:
@@ -318,6 +326,16 @@ class Scheduler:
             if self.lora is not None:  # rows of one adapter side by side: one segment each in decode batches
                 self.running.sort(key=lambda r: r.lora_slot)
         return _Forward(reqs, sampling, logits, grammar, batch.req_pool_indices)
+
+    def _riders(self, picked: list[tuple[Req, int]]) -> list[Req]:
+        """The running requests that decode inside this prefill step (`mixed_decode`): all of them, if the KV pool
+        has a slot for each beside the prompts' tokens; else none (the next decode step retracts if it must)."""
+        if not self.mixed_decode:
+            return []
+        riders = [r for r in self.running if r.finished is None]
+        if riders and self.kv.available() < sum(n for _, n in picked) + len(riders):
+            return []
+        return riders
 
     @staticmethod
     def _sampling_rows(reqs: list[Req], sampling: list[Req]):

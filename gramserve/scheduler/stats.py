@@ -58,6 +58,7 @@ class SchedulerCounters(TypedDict):
     forward_steps: int
     retractions: int
     cached_prompt_tokens: int  # prompt tokens served from the prefix cache at first admission
+    mixed_decode_rows: int  # decode tokens computed inside prefill steps (--mixed-decode)
 
 
 def zero_counters() -> SchedulerCounters:

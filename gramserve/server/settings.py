@@ -94,6 +94,9 @@ def resolve_settings(args: ServerArgs) -> Settings:
     # auto: on for CUDA (the CPU work of step N+1 runs while the GPU computes step N), off on CPU, where the
     # forward is synchronous and overlapping only costs one wasted token per finishing request.
     overlap = device == "cuda" if args.overlap_schedule == "auto" else args.overlap_schedule == "on"
+    # auto: on for a CPU, where a prefill step's GEMMs take the running rows almost for free; never under overlap,
+    # which builds a step before the previous step's tokens reach the host.
+    mixed = not overlap and (device == "cpu" if args.mixed_decode == "auto" else args.mixed_decode == "on")
     graphs = 0 if device != "cuda" or args.disable_cuda_graph else given_or_default("cuda_graph_max_bs")
     model_processes = args.tp_size // args.nnodes * args.dp_size  # on this host
     return Settings(
@@ -102,6 +105,7 @@ def resolve_settings(args: ServerArgs) -> Settings:
         attention_backend=resolve_backend_name(args.attention_backend, torch.device(device), getattr(torch, dtype)),
         sampling_backend=resolve_sampling_backend(args.sampling_backend, torch.device(device)),
         overlap_schedule=overlap,
+        mixed_decode=mixed,
         max_running_requests=given_or_default("max_running_requests"),
         chunked_prefill_size=given_or_default("chunked_prefill_size"),
         cuda_graph_max_bs=max(0, graphs),
