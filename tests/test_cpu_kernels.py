@@ -66,7 +66,7 @@ def test_q8_0_rounding_is_within_half_a_step():
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("rows,width", [(5, 576), (2, 100)])
+@pytest.mark.parametrize("rows,width", [(5, 576), (2, 100), (70, 576)])  # 70: on the OpenMP team
 def test_rmsnorm(with_residual, rows, width):
     x, w = torch.randn(rows, width), torch.rand(width) + 0.5
     residual = torch.randn(rows, width) if with_residual else None
@@ -79,14 +79,15 @@ def test_rmsnorm(with_residual, rows, width):
         torch.testing.assert_close(res_arg, total)  # the sum is left in the residual stream
 
 
-@pytest.mark.parametrize("rows", [3, 16])
+@pytest.mark.parametrize("rows", [3, 16, 70])
 def test_silu_mul(rows):
     gu = torch.randn(rows, 2 * 1536) * 4
     gate, up = gu.chunk(2, dim=-1)
     torch.testing.assert_close(cpu_kernels.silu_mul(lib, gu), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
-def test_rope_store_matches_the_torch_rope_and_fills_the_cache():
+@pytest.mark.parametrize("t", [5, 70])  # 70 rows: on the OpenMP team
+def test_rope_store_matches_the_torch_rope_and_fills_the_cache(t):
     from gramserve.model.llama import RotaryEmbedding
     from gramserve.model.model_config import ModelConfig
 
@@ -104,11 +105,11 @@ def test_rope_store_matches_the_torch_rope_and_fills_the_cache():
         }
     )
     rope = RotaryEmbedding(cfg, 64)
-    hq, hkv, d, t = 4, 2, 32, 5
+    hq, hkv, d = 4, 2, 32
     qkv = torch.randn(t, (hq + 2 * hkv) * d)
-    positions = torch.tensor([0, 3, 7, 8, 63])
-    loc = torch.tensor([5, 1, 9, 2, 7])
-    k_cache, v_cache = torch.zeros(10, hkv, d), torch.zeros(10, hkv, d)
+    positions = torch.tensor([0, 3, 7, 8, 63] * (t // 5))
+    loc = torch.randperm(t + 5)[:t]
+    k_cache, v_cache = torch.zeros(t + 5, hkv, d), torch.zeros(t + 5, hkv, d)
     q = cpu_kernels.rope_and_store(lib, qkv, hq, hkv, rope.cos, rope.sin, positions, k_cache, v_cache, loc)
     q_ref, k_ref, v_ref = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     assert torch.equal(q, rope(positions, q_ref.reshape(t, hq, d)))  # same arithmetic, same bits

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 
 #define MB 8 /* rows of x that share one unpack of a weight block */
+#define PARALLEL_ROWS 64 /* RMSNorm, SiLU-mul and RoPE calls of this many rows (prefill) run on the OpenMP team */
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -466,9 +467,11 @@ int gs_use_avx512(int on) {
 }
 
 /* out = rmsnorm(x) * w row by row; with residual != NULL, residual += x first and the norm is of the sum. The sum of
-   squares is accumulated in double. One thread: a parallel region per call measured no gain at 16 rows, and each
-   one is a barrier that waits for a preempted thread on a busy machine. */
+   squares is accumulated in double. Rows go to the OpenMP team (torch's threads) only in prefill-sized calls:
+   at decode sizes a parallel region gained under 1 ms a step, and each one is a barrier that waits for a
+   preempted thread on a busy machine. */
 void gs_rmsnorm(const float *x, float *residual, const float *w, float eps, int M, int N, float *out) {
+#pragma omp parallel for if (M >= PARALLEL_ROWS) schedule(static)
     for (int i = 0; i < M; i++) {
         const float *xi = x + (size_t)i * N;
         float *src = (float *)xi;
@@ -580,6 +583,7 @@ int gs_decode_attention(const float *q, const float *k_cache, const float *v_cac
 void gs_rope_store(const float *qkv, int T, int Hq, int Hkv, int D, const float *cos_tab, const float *sin_tab,
                    const int64_t *positions, float *k_cache, float *v_cache, const int64_t *loc, float *q_out) {
     const int half = D / 2, width = (Hq + 2 * Hkv) * D;
+#pragma omp parallel for if (T >= PARALLEL_ROWS) schedule(static)
     for (int t = 0; t < T; t++) {
         const float *row = qkv + (size_t)t * width;
         const float *c = cos_tab + positions[t] * half, *s = sin_tab + positions[t] * half;
@@ -601,6 +605,7 @@ void gs_rope_store(const float *qkv, int T, int Hq, int Hkv, int D, const float 
 
 /* out[t, j] = silu(gu[t, j]) * gu[t, I + j] for gu [T, 2I]. */
 void gs_silu_mul(const float *gu, int T, int I, float *out) {
+#pragma omp parallel for if (T >= PARALLEL_ROWS) schedule(static)
     for (int t = 0; t < T; t++) {
         const float *g = gu + (size_t)t * 2 * I, *u = g + I;
         float *o = out + (size_t)t * I;
