@@ -13,8 +13,12 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define MB 8 /* rows of x that share one unpack of a weight block */
+#ifndef PANEL_ROWS
+#define PANEL_ROWS 9 /* AVX-512: batches of this many rows or more take the panel matmul */
+#endif
 #define PARALLEL_ROWS 64 /* RMSNorm, SiLU-mul and RoPE calls of this many rows (prefill) run on the OpenMP team */
 
 static inline float hsum(__m256 v) {
@@ -135,6 +139,8 @@ static void dots_q8(int mb, const float *x, int K, int nb, const uint8_t *qs, co
 int gs_use_avx512(int on);
 static void qgemm512(int bits, const float *x, int M, int K, const uint8_t *qs, const float *d, const float *m,
                      int N, float *y, int nthreads);
+static int qgemm512_panels(int bits, const float *x, int M, int K, const uint8_t *qs, const float *d, const float *m,
+                           int N, float *y, int nthreads);
 static void few_rows512(int bits, const float *x, int M, int K, const uint8_t *qs, const float *d, const float *m,
                         int N, float *y, int nthreads, const float *xsum);
 static int attention512(const float *q, const float *k_cache, const float *v_cache, const int32_t *table,
@@ -178,6 +184,7 @@ int gs_qgemm(int bits, const float *x, int M, int K, const uint8_t *qs, const fl
         }
         return 0;
     }
+    if (M >= PANEL_ROWS && gs_use_avx512(-1)) return qgemm512_panels(bits, x, M, K, qs, d, m, N, y, nthreads);
     if (M >= 4 && gs_use_avx512(-1)) {
         qgemm512(bits, x, M, K, qs, d, m, N, y, nthreads);
         return 0;
@@ -285,6 +292,65 @@ static void qgemm512(int bits, const float *x, int M, int K, const uint8_t *qs, 
             }
         }
     }
+}
+
+/* 9 rows or more, in groups of 16: x transposed so that one vector holds a k-th element of all 16 rows; a panel of
+   16 weight rows is dequantized, KC values at a time, into a buffer whose scalars are broadcast into the FMAs. One
+   accumulator per weight row holds its dot products with all 16 rows: no horizontal sums, and about one load per
+   FMA (the broadcast) instead of x and weights both streamed. */
+#ifndef PANEL
+#define PANEL 16
+#endif
+#ifndef KC
+#define KC 256
+#endif
+
+static void panel512(int bits, const float *xt, int K, int nb, const uint8_t *qs, const float *d, const float *m,
+                     int n0, int nr, float *y, int N, int rows) {
+    const int bytes = bits == 4 ? 16 : 32;
+    float wb[PANEL * KC] __attribute__((aligned(64)));
+    __m512 acc[PANEL];
+    for (int j = 0; j < PANEL; j++) acc[j] = _mm512_setzero_ps();
+    if (nr < PANEL) memset(wb, 0, sizeof(wb));
+    for (int k0 = 0; k0 < K; k0 += KC) {
+        const int kc = K - k0 < KC ? K - k0 : KC;
+        for (int j = 0; j < nr; j++)
+            for (int b = 0; b < kc / 32; b++) {
+                const size_t blk = (size_t)(n0 + j) * nb + k0 / 32 + b;
+                __m512 w[2];
+                dequant16(bits, qs + blk * bytes, d[blk], m == NULL ? 0.0f : m[blk], w);
+                _mm512_store_ps(wb + j * KC + b * 32, w[0]);
+                _mm512_store_ps(wb + j * KC + b * 32 + 16, w[1]);
+            }
+        for (int k = 0; k < kc; k++) {
+            const __m512 xv = _mm512_load_ps(xt + (size_t)(k0 + k) * 16);
+            for (int j = 0; j < PANEL; j++) acc[j] = _mm512_fmadd_ps(_mm512_set1_ps(wb[j * KC + k]), xv, acc[j]);
+        }
+    }
+    float col[16] __attribute__((aligned(64)));
+    for (int j = 0; j < nr; j++) {
+        _mm512_store_ps(col, acc[j]);
+        for (int i = 0; i < rows; i++) y[(size_t)i * N + n0 + j] = col[i];
+    }
+}
+
+static int qgemm512_panels(int bits, const float *x, int M, int K, const uint8_t *qs, const float *d, const float *m,
+                           int N, float *y, int nthreads) {
+    const int nb = K / 32, panels = (N + PANEL - 1) / PANEL;
+    float *xt = aligned_alloc(64, (size_t)K * 16 * sizeof(float));
+    if (xt == NULL) return -2;
+    for (int g = 0; g < M; g += 16) {
+        const int rows = M - g < 16 ? M - g : 16;
+        for (int k = 0; k < K; k++)
+            for (int i = 0; i < 16; i++) xt[(size_t)k * 16 + i] = i < rows ? x[(size_t)(g + i) * K + k] : 0.0f;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int p = 0; p < panels; p++) {
+            const int n0 = p * PANEL, nr = N - n0 < PANEL ? N - n0 : PANEL;
+            panel512(bits, xt, K, nb, qs, d, m, n0, nr, y + (size_t)g * N, N, rows);
+        }
+    }
+    free(xt);
+    return 0;
 }
 
 /* 1 to 3 rows (memory-bound): row_dots_scaled's arithmetic, 16 lanes wide. */
