@@ -136,6 +136,26 @@ static void dots_q8(int mb, const float *x, int K, int nb, const uint8_t *qs, co
     DOTS(8)
 }
 
+/* 1 to 3 rows: one weight row per iteration, FN (row_dots_scaled or its AVX-512 twin) specialised on bits and M.
+   Expects x, M, K, nb, bytes, qs, d, m, N, y, nthreads and xsum in scope. */
+#define FEW_ROWS(FN)                                                                                       \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(guided, 8)")                                  \
+    for (int n = 0; n < N; n++) {                                                                          \
+        const uint8_t *qrow = qs + (size_t)n * nb * bytes;                                                 \
+        const float *drow = d + (size_t)n * nb, *mrow = m == NULL ? NULL : m + (size_t)n * nb;             \
+        float out[3];                                                                                      \
+        if (bits == 4) {                                                                                   \
+            if (M == 1) FN(4, 1, x, K, nb, qrow, drow, mrow, xsum, out);                                   \
+            else if (M == 2) FN(4, 2, x, K, nb, qrow, drow, mrow, xsum, out);                              \
+            else FN(4, 3, x, K, nb, qrow, drow, mrow, xsum, out);                                          \
+        } else {                                                                                           \
+            if (M == 1) FN(8, 1, x, K, nb, qrow, drow, NULL, xsum, out);                                   \
+            else if (M == 2) FN(8, 2, x, K, nb, qrow, drow, NULL, xsum, out);                              \
+            else FN(8, 3, x, K, nb, qrow, drow, NULL, xsum, out);                                          \
+        }                                                                                                  \
+        for (int i = 0; i < M; i++) y[(size_t)i * N + n] = out[i];                                         \
+    }
+
 int gs_use_avx512(int on);
 static void qgemm512(int bits, const float *x, int M, int K, const uint8_t *qs, const float *d, const float *m,
                      int N, float *y, int nthreads);
@@ -166,22 +186,7 @@ int gs_qgemm(int bits, const float *x, int M, int K, const uint8_t *qs, const fl
             few_rows512(bits, x, M, K, qs, d, m, N, y, nthreads, xsum);
             return 0;
         }
-#pragma omp parallel for num_threads(nthreads) schedule(guided, 8)
-        for (int n = 0; n < N; n++) {
-            const uint8_t *qrow = qs + (size_t)n * nb * bytes;
-            const float *drow = d + (size_t)n * nb, *mrow = m == NULL ? NULL : m + (size_t)n * nb;
-            float out[3];
-            if (bits == 4) {
-                if (M == 1) row_dots_scaled(4, 1, x, K, nb, qrow, drow, mrow, xsum, out);
-                else if (M == 2) row_dots_scaled(4, 2, x, K, nb, qrow, drow, mrow, xsum, out);
-                else row_dots_scaled(4, 3, x, K, nb, qrow, drow, mrow, xsum, out);
-            } else {
-                if (M == 1) row_dots_scaled(8, 1, x, K, nb, qrow, drow, NULL, xsum, out);
-                else if (M == 2) row_dots_scaled(8, 2, x, K, nb, qrow, drow, NULL, xsum, out);
-                else row_dots_scaled(8, 3, x, K, nb, qrow, drow, NULL, xsum, out);
-            }
-            for (int i = 0; i < M; i++) y[(size_t)i * N + n] = out[i];
-        }
+        FEW_ROWS(row_dots_scaled)
         return 0;
     }
     if (M >= PANEL_ROWS && gs_use_avx512(-1)) return qgemm512_panels(bits, x, M, K, qs, d, m, N, y, nthreads);
@@ -384,22 +389,7 @@ static inline __attribute__((always_inline)) void few_dots512(int bits, int mb, 
 static void few_rows512(int bits, const float *x, int M, int K, const uint8_t *qs, const float *d, const float *m,
                         int N, float *y, int nthreads, const float *xsum) {
     const int nb = K / 32, bytes = bits == 4 ? 16 : 32;
-#pragma omp parallel for num_threads(nthreads) schedule(guided, 8)
-    for (int n = 0; n < N; n++) {
-        const uint8_t *qrow = qs + (size_t)n * nb * bytes;
-        const float *drow = d + (size_t)n * nb, *mrow = m == NULL ? NULL : m + (size_t)n * nb;
-        float out[3];
-        if (bits == 4) {
-            if (M == 1) few_dots512(4, 1, x, K, nb, qrow, drow, mrow, xsum, out);
-            else if (M == 2) few_dots512(4, 2, x, K, nb, qrow, drow, mrow, xsum, out);
-            else few_dots512(4, 3, x, K, nb, qrow, drow, mrow, xsum, out);
-        } else {
-            if (M == 1) few_dots512(8, 1, x, K, nb, qrow, drow, NULL, xsum, out);
-            else if (M == 2) few_dots512(8, 2, x, K, nb, qrow, drow, NULL, xsum, out);
-            else few_dots512(8, 3, x, K, nb, qrow, drow, NULL, xsum, out);
-        }
-        for (int i = 0; i < M; i++) y[(size_t)i * N + n] = out[i];
-    }
+    FEW_ROWS(few_dots512)
 }
 
 #define PREFETCH_ROWS 8
