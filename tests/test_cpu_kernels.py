@@ -189,6 +189,41 @@ def test_decode_with_kernels_matches_the_torch_path(runners):
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, 4])
+def test_decode_layers_in_one_call_equal_the_per_layer_path(runners, rows):
+    """gs_decode_layers runs the per-layer path's kernels in its order: the logits are the same bit for bit."""
+    from test_model_vs_hf import Harness
+
+    kernels, _ = runners
+    model = kernels.model
+    one_call = model.decode_layers
+    assert one_call is not None and one_call.max_rows >= 4
+    calls = []
+
+    class Counted:
+        applies = one_call.applies
+
+        def __call__(self, *args):
+            calls.append(len(args))
+            return one_call(*args)
+
+    h = Harness(kernels)
+    pool_rows = [h.pool.alloc() for _ in range(rows)]
+    prompts = [[1, 504, 3458, 314, 253, 9690, 198][: 3 + i] for i in range(rows)]
+    first = h.extend(pool_rows, [0] * rows, prompts).argmax(-1).tolist()
+    lens = [len(p) for p in prompts]
+    try:
+        model.decode_layers = Counted()
+        fused = h.decode(pool_rows, lens, first)
+        assert calls, "the decode step did not take the one-call path"
+        model.decode_layers = None
+        per_layer = h.decode(pool_rows, lens, first)  # the same step again: same slots, same inputs
+    finally:
+        model.decode_layers = one_call
+    assert torch.equal(fused, per_layer)
+
+
+@torch.inference_mode()
 def test_q8_0_weights_stay_close_to_the_float_model(runners):
     """--cpu-weights q8_0 rounds every projection to 8-bit blocks: a documented tolerance, not equality."""
     from test_model_vs_hf import Harness

@@ -8,6 +8,7 @@
      Blocks are dequantized in registers, so the weights stay 4.5-8.5 bits in memory.
    gs_rmsnorm: RMSNorm of rows, optionally after adding x into the residual stream in place.
    gs_decode_attention: one query token per request over its KV slots (paged, page size 1), GQA.
+   gs_decode_layers: a decode step's decoder layers in one call, made of the kernels above.
 */
 #include <immintrin.h>
 #include <math.h>
@@ -673,4 +674,56 @@ void gs_silu_mul(const float *gu, int T, int I, float *out) {
         }
         for (; j < I; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     }
+}
+
+/* A decode step's decoder layers in one call (the model's per-layer Python glue cost ~5 ms a step on two cores).
+   Each layer runs the kernels above in the order the Python path calls them, on the same inputs, so the result is
+   the same bit for bit. One projection's block-quantized weight: */
+typedef struct {
+    int bits, N;
+    const uint8_t *qs;
+    const float *d, *m;
+} gs_qmat;
+
+typedef struct {
+    const float *ln1, *ln2; /* input and post-attention RMSNorm weights [H] */
+    gs_qmat qkv, o, gate_up, down;
+    float *k_cache, *v_cache; /* [slots, Hkv, D] */
+} gs_layer;
+
+/* x [M, H]: the embeddings in, overwritten; out [M, H]: rmsnorm(last layer's output + residual) with final_norm.
+   work: M * (3 H + (Hq + 2 Hkv) D + 2 Hq D + 3 I) floats. Returns 0, or the first kernel's error. */
+int gs_decode_layers(const gs_layer *layers, int L, int M, int H, int Hq, int Hkv, int D, int I, float eps,
+                     float scale, const float *final_norm, float *x, const float *cos_tab, const float *sin_tab,
+                     const int64_t *positions, const int64_t *loc, const int32_t *table, int64_t table_stride,
+                     const int64_t *rows, const int64_t *lens, float *work, float *out, int nthreads) {
+    float *res = work, *h = res + (size_t)M * H, *o = h + (size_t)M * H;
+    float *qkv = o + (size_t)M * H, *q = qkv + (size_t)M * (Hq + 2 * Hkv) * D, *attn = q + (size_t)M * Hq * D;
+    float *gu = attn + (size_t)M * Hq * D, *act = gu + (size_t)M * 2 * I;
+    int rc;
+    for (int l = 0; l < L; l++) {
+        const gs_layer *ly = layers + l;
+        if (l == 0) { /* the residual stream starts as the embeddings */
+            memcpy(res, x, sizeof(float) * (size_t)M * H);
+            gs_rmsnorm(x, NULL, ly->ln1, eps, M, H, h);
+        } else {
+            gs_rmsnorm(x, res, ly->ln1, eps, M, H, h);
+        }
+        if ((rc = gs_qgemm(ly->qkv.bits, h, M, H, ly->qkv.qs, ly->qkv.d, ly->qkv.m, ly->qkv.N, qkv, nthreads)))
+            return rc;
+        gs_rope_store(qkv, M, Hq, Hkv, D, cos_tab, sin_tab, positions, ly->k_cache, ly->v_cache, loc, q);
+        if ((rc = gs_decode_attention(q, ly->k_cache, ly->v_cache, table, table_stride, rows, lens, M, Hq, Hkv, D,
+                                      scale, attn, nthreads)))
+            return rc;
+        if ((rc = gs_qgemm(ly->o.bits, attn, M, Hq * D, ly->o.qs, ly->o.d, ly->o.m, ly->o.N, o, nthreads))) return rc;
+        gs_rmsnorm(o, res, ly->ln2, eps, M, H, h);
+        if ((rc = gs_qgemm(ly->gate_up.bits, h, M, H, ly->gate_up.qs, ly->gate_up.d, ly->gate_up.m, ly->gate_up.N,
+                           gu, nthreads)))
+            return rc;
+        gs_silu_mul(gu, M, I, act);
+        if ((rc = gs_qgemm(ly->down.bits, act, M, I, ly->down.qs, ly->down.d, ly->down.m, ly->down.N, x, nthreads)))
+            return rc;
+    }
+    gs_rmsnorm(x, res, final_norm, eps, M, H, out);
+    return 0;
 }

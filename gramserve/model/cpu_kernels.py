@@ -55,6 +55,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.gs_rope_store.restype = None
     lib.gs_silu_mul.argtypes = [p, i, i, p]
     lib.gs_silu_mul.restype = None
+    lib.gs_decode_layers.argtypes = [p, i, i, i, i, i, i, i, f, f, p, p, p, p, p, p, p, i64, p, p, p, p, i]
+    lib.gs_decode_layers.restype = i
     lib.gs_use_avx512.argtypes = [i]
     lib.gs_use_avx512.restype = i
 

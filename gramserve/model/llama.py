@@ -16,6 +16,7 @@ from torch import nn
 
 from gramserve.model.attention.base import AttentionBackend
 from gramserve.model.block_linear import BlockLinear
+from gramserve.model.cpu_decode import DecodeLayers
 from gramserve.model.forward_batch import ForwardBatch, ForwardMode
 from gramserve.model.lora.linear import LoRAContext, LoRALinear
 from gramserve.model.lora.pool import LoRAPool
@@ -261,6 +262,7 @@ class LlamaForCausalLM(nn.Module):
         vocab_rows = self.embed_tokens.num_embeddings
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
         self.lm_head_blocks: BlockLinear | None = None  # set by use_cpu_kernels
+        self.decode_layers: DecodeLayers | None = None  # set by use_cpu_kernels: decode steps' layers in one call
         self.lora: LoRAContext | None = None  # set by use_lora
 
     @property
@@ -280,12 +282,16 @@ class LlamaForCausalLM(nn.Module):
         if batch.input_embeds is not None:
             rows, embeds = batch.input_embeds
             x[rows] = embeds.to(x.dtype)
-        for layer in self.layers:
-            x, residual = layer(x, residual, batch.positions, self.rope, backend, batch)
-        if not batch.return_all_logits and batch.mode != ForwardMode.DECODE:  # decode: every token is a last one
-            last = batch.last_token_indices()
-            x, residual = x[last], residual[last]
-        x, _ = self.norm(x, residual)
+        one_call = self.decode_layers
+        if one_call is not None and batch.mode == ForwardMode.DECODE and one_call.applies(batch, x.shape[0]):
+            x = one_call(x, batch, backend.kv_cache)  # every layer and the final norm in one C call
+        else:
+            for layer in self.layers:
+                x, residual = layer(x, residual, batch.positions, self.rope, backend, batch)
+            if not batch.return_all_logits and batch.mode != ForwardMode.DECODE:  # decode: every token is a last one
+                last = batch.last_token_indices()
+                x, residual = x[last], residual[last]
+            x, _ = self.norm(x, residual)
         if self.lm_head_blocks is not None:
             logits = self.lm_head_blocks(x)
         else:
@@ -337,6 +343,8 @@ class LlamaForCausalLM(nn.Module):
         if head in blocks:
             self.lm_head_blocks = BlockLinear(self.lm_head_weight, None, blocks[head], lib)
             swapped += 1
+        if self.embed_tokens.weight.dtype == torch.float32:
+            self.decode_layers = DecodeLayers.of(self, lib)
         return swapped
 
     def use_lora(self, pool: LoRAPool) -> LoRAContext:
