@@ -347,8 +347,14 @@ static int qgemm512_panels(int bits, const float *x, int M, int K, const uint8_t
     if (xt == NULL) return -2;
     for (int g = 0; g < M; g += 16) {
         const int rows = M - g < 16 ? M - g : 16;
+        /* One masked gather per k: lane i reads row g + i (rows past M read as zero). */
+        const __m512i stride = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                  _mm512_set1_epi32(K));
+        const __mmask16 live = (__mmask16)((1u << rows) - 1u);
+        const float *xg = x + (size_t)g * K;
         for (int k = 0; k < K; k++)
-            for (int i = 0; i < 16; i++) xt[(size_t)k * 16 + i] = i < rows ? x[(size_t)(g + i) * K + k] : 0.0f;
+            _mm512_store_ps(xt + (size_t)k * 16,
+                            _mm512_mask_i32gather_ps(_mm512_setzero_ps(), live, stride, xg + k, 4));
 #pragma omp parallel for num_threads(nthreads) schedule(static)
         for (int p = 0; p < panels; p++) {
             const int n0 = p * PANEL, nr = N - n0 < PANEL ? N - n0 : PANEL;
