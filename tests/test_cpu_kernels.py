@@ -189,7 +189,7 @@ def test_decode_with_kernels_matches_the_torch_path(runners):
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("rows", [1, 4, 16])  # the few-row, tile and panel matmuls
 def test_decode_layers_in_one_call_equal_the_per_layer_path(runners, rows):
     """gs_decode_layers runs the per-layer path's kernels in its order: the logits are the same bit for bit."""
     from test_model_vs_hf import Harness
@@ -217,7 +217,7 @@ def test_decode_layers_in_one_call_equal_the_per_layer_path(runners, rows):
         fused = h.decode(pool_rows, lens, first)
         assert calls, "the decode step did not take the one-call path"
         model.decode_layers = None
-        per_layer = h.decode(pool_rows, lens, first)  # the same step again: same slots, same inputs
+        per_layer = h.decode(pool_rows, lens, first)  # the same step again (new slots, the same inputs and KV)
     finally:
         model.decode_layers = one_call
     assert torch.equal(fused, per_layer)

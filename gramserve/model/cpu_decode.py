@@ -67,7 +67,7 @@ class DecodeLayers:
             for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         )
         self._layers = None
-        self._cache_ptrs: tuple[int, int] | None = None
+        self._kv_cache = None  # the cache the structs point into (held, so its memory cannot be reused meanwhile)
 
     @classmethod
     def of(cls, model, lib: ctypes.CDLL | None) -> DecodeLayers | None:
@@ -90,8 +90,7 @@ class DecodeLayers:
         )
 
     def _structs(self, kv_cache) -> ctypes.Array:
-        ptrs = (kv_cache.k[0].data_ptr(), kv_cache.v[0].data_ptr())
-        if self._layers is None or ptrs != self._cache_ptrs:
+        if self._layers is None or kv_cache is not self._kv_cache:
             layers = (_Layer * len(self.model.layers))()
             for i, layer in enumerate(self.model.layers):
                 a, mlp = layer.self_attn, layer.mlp
@@ -105,7 +104,7 @@ class DecodeLayers:
                     kv_cache.k[i].data_ptr(),
                     kv_cache.v[i].data_ptr(),
                 )
-            self._layers, self._cache_ptrs = layers, ptrs
+            self._layers, self._kv_cache = layers, kv_cache
         return self._layers
 
     def __call__(self, x: torch.Tensor, batch, kv_cache) -> torch.Tensor:
