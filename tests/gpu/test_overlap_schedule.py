@@ -20,9 +20,12 @@ from tests.gpu.harness import SMOLLM_135M
 
 
 def _tokenizer_dir() -> str:
-    # GPU hosts carry the tokenizer files in .gpu/ (the GGUF package is not installed there).
-    local = Path(__file__).resolve().parents[2] / ".gpu"
-    return str(local) if (local / "tokenizer.json").exists() else default_tokenizer_dir()
+    # GPU hosts carry the tokenizer files in .gpu/tok or .gpu/ (the GGUF package is not installed there).
+    gpu = Path(__file__).resolve().parents[2] / ".gpu"
+    for local in (gpu / "tok", gpu):
+        if (local / "tokenizer.json").exists():
+            return str(local)
+    return default_tokenizer_dir()
 
 
 def _scheduler(config_dir, overlap: str) -> Scheduler:
