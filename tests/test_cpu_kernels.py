@@ -223,6 +223,20 @@ def test_decode_layers_in_one_call_equal_the_per_layer_path(runners, rows):
     assert torch.equal(fused, per_layer)
 
 
+def test_a_dropped_runner_frees_its_model_at_once():
+    """No reference cycle through the model (the one-call decode once held it): the memory of a runner that is
+    dropped comes back without waiting for the garbage collector (the test suite builds dozens of runners)."""
+    import weakref
+
+    from gramserve.model.runner import ModelRunner, RunnerConfig
+
+    runner = ModelRunner(RunnerConfig(kv_cache_memory_gb=0.1, max_running_requests=2, cpu_kernel_threads=2))
+    assert runner.model.decode_layers is not None
+    model = weakref.ref(runner.model)
+    del runner
+    assert model() is None
+
+
 @torch.inference_mode()
 def test_q8_0_weights_stay_close_to_the_float_model(runners):
     """--cpu-weights q8_0 rounds every projection to 8-bit blocks: a documented tolerance, not equality."""

@@ -51,11 +51,12 @@ def _qmat(linear: BlockLinear) -> _QMat:
 
 class DecodeLayers:
     """The model's decoder layers as one `gs_decode_layers` call (build with `of`, which returns None where the
-    model does not qualify)."""
+    model does not qualify). The model owns it and passes itself to each call: holding the model here would make a
+    reference cycle, and a cycle keeps a dropped model's memory until the garbage collector's rare full pass."""
 
     def __init__(self, model, lib: ctypes.CDLL):
         cfg = model.cfg
-        self.model, self.lib = model, lib
+        self.lib = lib
         attn = model.layers[0].self_attn
         self.hq, self.hkv, self.dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.hidden = cfg.hidden_size
@@ -80,19 +81,19 @@ class DecodeLayers:
                 return None
         return cls(model, lib)
 
-    def applies(self, batch, rows: int) -> bool:
+    def applies(self, model, batch, rows: int) -> bool:
         """Whether this batch may take the one-call path: a decode batch whose attention reads the slots itself."""
         return (
             batch.attn_metadata == "slots"
             and 0 < rows <= self.max_rows
-            and self.model.lora is None
+            and model.lora is None
             and batch.input_embeds is None
         )
 
-    def _structs(self, kv_cache) -> ctypes.Array:
+    def _structs(self, model, kv_cache) -> ctypes.Array:
         if self._layers is None or kv_cache is not self._kv_cache:
-            layers = (_Layer * len(self.model.layers))()
-            for i, layer in enumerate(self.model.layers):
+            layers = (_Layer * len(model.layers))()
+            for i, layer in enumerate(model.layers):
                 a, mlp = layer.self_attn, layer.mlp
                 layers[i] = _Layer(
                     layer.input_layernorm.weight.data_ptr(),
@@ -107,19 +108,19 @@ class DecodeLayers:
             self._layers, self._kv_cache = layers, kv_cache
         return self._layers
 
-    def __call__(self, x: torch.Tensor, batch, kv_cache) -> torch.Tensor:
+    def __call__(self, model, x: torch.Tensor, batch, kv_cache) -> torch.Tensor:
         """x [M, H] float32 (the embeddings; overwritten) -> the final norm's output [M, H]."""
         m, h, hq, hkv, dim, inter = x.shape[0], self.hidden, self.hq, self.hkv, self.dim, self.inter
         work = torch.empty(m * (3 * h + (hq + 2 * hkv) * dim + 2 * hq * dim + 3 * inter), dtype=torch.float32)
         out = torch.empty((m, h), dtype=torch.float32)
-        rope, table = self.model.rope, batch.req_to_token
+        rope, table = model.rope, batch.req_to_token
         positions = batch.positions.to(torch.int64).contiguous()
         loc = batch.out_cache_loc.to(torch.int64).contiguous()
         rows = batch.req_pool_indices.to(torch.int64).contiguous()
         lens = batch.seq_lens.to(torch.int64).contiguous()
         rc = self.lib.gs_decode_layers(
-            self._structs(kv_cache), len(self.model.layers), m, h, hq, hkv, dim, inter, self.eps, self.scale,
-            self.model.norm.weight.data_ptr(), x.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
+            self._structs(model, kv_cache), len(model.layers), m, h, hq, hkv, dim, inter, self.eps, self.scale,
+            model.norm.weight.data_ptr(), x.data_ptr(), rope.cos.data_ptr(), rope.sin.data_ptr(),
             positions.data_ptr(), loc.data_ptr(), table.data_ptr(), table.stride(0), rows.data_ptr(),
             lens.data_ptr(), work.data_ptr(), out.data_ptr(), cpu_kernels.threads(),
         )  # fmt: skip

@@ -283,8 +283,8 @@ class LlamaForCausalLM(nn.Module):
             rows, embeds = batch.input_embeds
             x[rows] = embeds.to(x.dtype)
         one_call = self.decode_layers
-        if one_call is not None and batch.mode == ForwardMode.DECODE and one_call.applies(batch, x.shape[0]):
-            x = one_call(x, batch, backend.kv_cache)  # every layer and the final norm in one C call
+        if one_call is not None and batch.mode == ForwardMode.DECODE and one_call.applies(self, batch, x.shape[0]):
+            x = one_call(self, x, batch, backend.kv_cache)  # every layer and the final norm in one C call
         else:
             for layer in self.layers:
                 x, residual = layer(x, residual, batch.positions, self.rope, backend, batch)
