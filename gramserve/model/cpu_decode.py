@@ -1,7 +1,7 @@
 """A decode step's decoder layers in one call into the CPU kernel library (`gs_decode_layers`).
 
 On a CPU with the kernel library, each decoder layer of a decode step is a dozen small kernel calls from Python
-(module calls, ctypes, output tensors): about 5 ms a step for the default model on two cores, a quarter of a
+(module calls, ctypes, output tensors): about 7 ms a step for the default model on two cores, 40% of a
 one-request step. `DecodeLayers` hands the whole stack of layers to C at once. It runs the same kernels in the same
 order on the same inputs, so the hidden states are the same bit for bit as the per-layer path's.
 

@@ -682,7 +682,7 @@ void gs_silu_mul(const float *gu, int T, int I, float *out) {
     }
 }
 
-/* A decode step's decoder layers in one call (the model's per-layer Python glue cost ~5 ms a step on two cores).
+/* A decode step's decoder layers in one call (the model's per-layer Python glue cost ~7 ms a step on two cores).
    Each layer runs the kernels above in the order the Python path calls them, on the same inputs, so the result is
    the same bit for bit. One projection's block-quantized weight: */
 typedef struct {

@@ -9,7 +9,8 @@ lexemes, see ``_structural_tag``; token-level formats, dispatch and XML styles a
 * Token slices (``TOKEN_SLICES``): llguidance adds a slice's tokens to a mask in one step when the lexer allows
   every string of the slice's regex, and walks the rest of the token trie. Its default slices (string runs of up
   to 10 and 30 characters) leave strings with a maxLength to the walk once fewer than 30 characters remain (0.2-1
-  ms a row); slices of string runs 1..12, 14, 16, 20, 24 characters long keep the mid-string masks at 20-30 us.
+  ms a row); slices of string runs 1..12, 14, 16, 20, 24, 30 characters long keep them at 20-36 us until about
+  12 characters remain.
 * ``LLMatcher.consume_token`` puts the matcher in a permanent error state on a bad token, so
   ``accept_token`` checks ``validate_tokens`` first. EOS is decided by ``is_accepting()``.
 * If llguidance hits an internal limit mid-generation (error state), only EOS is allowed and
