@@ -148,3 +148,85 @@ def test_what_if_then_else_requires_either_way_stays_required():
     assert relaxed["required"] == ["a", "c"] and "if" not in relaxed and len(dropped) == 3
     assert "required" not in relax({**schema, "else": {"required": ["d"]}})[0]  # nothing in common
     assert "required" not in relax({k: v for k, v in schema.items() if k != "else"})[0]  # no else: nothing implied
+
+
+def test_references_into_relaxed_keywords_still_resolve(tokenizer):
+    """A $ref into an overlapping oneOf (SchemaStore's CircleCI schema: #/definitions/step/oneOf/1/properties/run)
+    pointed at nothing once relax renamed the oneOf: the schema was refused. The target is now copied under $defs
+    first, and the relaxed grammar enforces it."""
+    from test_grammar_corpus import accepts, get_backend
+
+    from gramserve.grammar.compile_process import compile_grammar
+    from gramserve.grammar.schema_normalize import hoist_deep_refs
+    from gramserve.messages import GrammarRequest
+
+    run = {"type": "object", "properties": {"command": {"type": "string", "maxLength": 3}}, "required": ["command"]}
+    schema = {
+        "definitions": {"step": {"oneOf": [{"type": "object"}, {"type": "object", "properties": {"run": run}}]}},
+        "type": "object",
+        "properties": {
+            "first": {"$ref": "#/definitions/step"},
+            "run": {"$ref": "#/definitions/step/oneOf/1/properties/run"},
+        },
+        "required": ["run"],
+    }
+    hoisted = hoist_deep_refs(schema)
+    assert (
+        hoisted["properties"]["run"] == {"$ref": "#/$defs/gramserve_ref_0"}
+        and hoisted["$defs"]["gramserve_ref_0"] == run
+    )
+    assert hoisted["properties"]["first"] == schema["properties"]["first"]  # a shallow reference stays
+    assert hoist_deep_refs({"properties": {"a": {"$ref": "#/definitions/x"}}}) == {
+        "properties": {"a": {"$ref": "#/definitions/x"}}
+    }
+
+    b = get_backend(tokenizer, "llguidance")
+    compiled = compile_grammar(b, GrammarRequest("json_schema", json.dumps(schema), "llguidance"), relaxed=True)
+    assert accepts(b, compiled, json.dumps({"run": {"command": "ls"}}), tokenizer, check_mask=False)
+    assert not accepts(b, compiled, json.dumps({"run": {"command": "make"}}), tokenizer, check_mask=False)
+    assert not accepts(b, compiled, json.dumps({"run": {}}), tokenizer, check_mask=False)
+
+
+def test_annotations_beside_a_recursive_reference_are_dropped(tokenizer):
+    """{"$ref": "#/definitions/logic", "markdownDescription": ...} inside the recursive definition itself:
+    llguidance refuses a recursive reference with sibling keys it does not know; annotations constrain nothing, so
+    they go."""
+    from test_grammar_corpus import accepts, get_backend
+
+    from gramserve.grammar.compile_process import compile_grammar
+    from gramserve.grammar.schema_normalize import drop_ref_annotations
+    from gramserve.messages import GrammarRequest
+
+    logic = {
+        "anyOf": [
+            {"type": "boolean"},
+            {
+                "type": "object",
+                "properties": {"not": {"$ref": "#/definitions/logic", "markdownDescription": "negation", "x-order": 1}},
+                "required": ["not"],
+                "additionalProperties": False,
+            },
+        ]
+    }
+    schema = {"definitions": {"logic": logic}, "$ref": "#/definitions/logic"}
+    dropped = drop_ref_annotations(schema)
+    assert dropped["definitions"]["logic"]["anyOf"][1]["properties"]["not"] == {"$ref": "#/definitions/logic"}
+    assert "markdownDescription" in logic["anyOf"][1]["properties"]["not"]  # the caller's schema is left as it was
+    kept = {"$ref": "#/definitions/a", "minLength": 2, "definitions": {"a": {"type": "string"}}}
+    assert drop_ref_annotations(kept) is kept
+
+    b = get_backend(tokenizer, "llguidance")
+    compiled = compile_grammar(b, GrammarRequest("json_schema", json.dumps(schema), "llguidance"))
+    assert accepts(b, compiled, json.dumps({"not": {"not": True}}), tokenizer, check_mask=False)
+    assert not accepts(b, compiled, json.dumps({"not": 1}), tokenizer, check_mask=False)
+
+
+def test_property_counts_beside_optional_properties_are_left_to_the_check():
+    """llguidance counts properties only when every listed one is required (SchemaStore's Bamboo spec was refused);
+    relaxed, the count goes to the last check and the rest stays."""
+    optional = {"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 1, "maxProperties": 1}
+    relaxed, dropped = relax(optional)
+    assert relaxed == {"type": "object", "properties": {"a": {}, "b": {}}}
+    assert sorted(dropped) == ["maxProperties at /", "minProperties at /"]
+    all_required = {**optional, "required": ["a", "b"]}
+    assert relax(all_required) == (all_required, [])

@@ -42,7 +42,13 @@ from gramserve.grammar.backends._structural_tag import normalize as normalize_ta
 from gramserve.grammar.backends.base import GrammarBackend, GrammarCompileError, GrammarOptions, GrammarSpec
 from gramserve.grammar.disk_cache import PERSISTED_BACKENDS, DiskCache, backend_fingerprint
 from gramserve.grammar.schema_audit import beyond_regular, unenforced
-from gramserve.grammar.schema_normalize import bound_unbounded, integral_counts, rewrite_not
+from gramserve.grammar.schema_normalize import (
+    bound_unbounded,
+    drop_ref_annotations,
+    hoist_deep_refs,
+    integral_counts,
+    rewrite_not,
+)
 from gramserve.grammar.schema_relax import relax
 from gramserve.messages import GrammarRequest
 
@@ -122,10 +128,12 @@ def _normalized_tag(text: str, options: GrammarOptions, relaxed: bool) -> str:
 
 
 def _normalized(schema: object, options: GrammarOptions, relaxed: bool) -> tuple[object, list[str]]:
-    """`not` stated positively where it can be (rewrite_not), counts written as floats made ints (integral_counts),
-    unbounded strings and arrays bounded if the server asks (bound_unbounded), and with `relaxed` what no grammar
-    enforces taken out (schema_relax.relax); returns the schema (the same object if unchanged) and what was dropped."""
-    rewritten = integral_counts(rewrite_not(schema))
+    """Annotations beside references dropped (drop_ref_annotations), references into rewritten keywords pointed at
+    copies (hoist_deep_refs), `not` stated positively where it can be (rewrite_not), counts written as floats made
+    ints (integral_counts), unbounded strings and arrays bounded if the server asks (bound_unbounded), and with
+    `relaxed` what no grammar enforces taken out (schema_relax.relax); returns the schema (the same object if
+    unchanged) and what was dropped."""
+    rewritten = integral_counts(rewrite_not(hoist_deep_refs(drop_ref_annotations(schema))))
     rewritten = bound_unbounded(rewritten, options.max_string_length, options.max_array_items)
     if not relaxed:
         return rewritten, []

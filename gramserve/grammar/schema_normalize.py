@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from typing import Any
+from urllib.parse import unquote
 
 from gramserve.grammar.backends.base import GrammarCompileError
 from gramserve.grammar.schema_audit import _subschemas
@@ -194,4 +195,92 @@ def integral_counts(schema: Any) -> Any:
         for k in INTEGER_KEYWORDS:
             if isinstance(node.get(k), float) and node[k].is_integer():
                 node[k] = int(node[k])
+    return out
+
+
+# Keywords the rewrites of this module and schema_relax.py rename or drop: a $ref whose JSON pointer passes through
+# one of them would point at nothing afterwards.
+_REWRITTEN_KEYS = frozenset(
+    {"not", "oneOf", "if", "then", "else", "dependencies", "dependentSchemas", "contains", "propertyNames"}
+    | {"unevaluatedProperties", "unevaluatedItems"}
+)
+HOISTED_PREFIX = "gramserve_ref_"
+
+
+def _pointer_parts(ref: str) -> list[str] | None:
+    """The unescaped segments of a local JSON-pointer reference (``#/a/b~1c`` -> [a, b/c]), or None."""
+    if not ref.startswith("#/"):
+        return None
+    return [unquote(p).replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/")]
+
+
+def _resolve(schema: Any, parts: list[str]) -> Any:
+    node = schema
+    for part in parts:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def hoist_deep_refs(schema: Any) -> Any:
+    """A copy of `schema` in which each ``$ref`` whose pointer goes through a keyword that a later rewrite renames
+    or drops (``#/definitions/step/oneOf/1/properties/run``: an overlapping oneOf becomes anyOf when relaxed)
+    points instead at a copy of its target under ``$defs``; `schema` itself when there is none. The copies are
+    taken before any rewrite, so the meaning is unchanged. (SchemaStore's CircleCI schema was refused for this.)"""
+    if not isinstance(schema, dict):
+        return schema
+    targets: dict[str, str] = {}
+    for node in _subschemas(schema):
+        ref = node.get("$ref")
+        parts = _pointer_parts(ref) if isinstance(ref, str) else None
+        if parts and _REWRITTEN_KEYS.intersection(parts) and ref not in targets:
+            if isinstance(_resolve(schema, parts), (dict, bool)):
+                targets[ref] = f"{HOISTED_PREFIX}{len(targets)}"
+    if not targets:
+        return schema
+    out = copy.deepcopy(schema)
+    defs = out.get("$defs") if isinstance(out.get("$defs"), dict) else {}
+    for ref, name in targets.items():
+        defs[name] = copy.deepcopy(_resolve(schema, _pointer_parts(ref)))
+    out["$defs"] = defs
+    for node in _subschemas(out):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref in targets:
+            node["$ref"] = f"#/$defs/{targets[ref]}"
+    return out
+
+
+# Keywords that constrain an instance (or locate schemas); any other key of a schema object is an annotation
+# (description, title, default, examples, markdownDescription, x-...), which validation ignores.
+_CONSTRAINING = frozenset(
+    "$ref $defs definitions $id $schema $anchor $dynamicRef $dynamicAnchor type enum const properties"
+    " patternProperties additionalProperties required items prefixItems additionalItems contains minContains"
+    " maxContains minItems maxItems uniqueItems minLength maxLength pattern format minimum maximum exclusiveMinimum"
+    " exclusiveMaximum multipleOf minProperties maxProperties propertyNames dependentRequired dependentSchemas"
+    " dependencies allOf anyOf oneOf not if then else unevaluatedProperties unevaluatedItems".split()
+)
+
+
+def drop_ref_annotations(schema: Any) -> Any:
+    """A copy of `schema` without the annotations beside each ``$ref`` (``{"$ref": "#/definitions/logic",
+    "markdownDescription": ...}``); `schema` itself when there are none. llguidance refuses a recursive reference
+    that has sibling keys, and annotations change nothing a grammar or a validator does. (SchemaStore's CircleCI
+    schema was refused for this.)"""
+    if not isinstance(schema, dict):
+        return schema
+
+    def annotated(node: dict) -> bool:
+        return "$ref" in node and any(key not in _CONSTRAINING for key in node)
+
+    if not any(annotated(node) for node in _subschemas(schema)):
+        return schema
+    out = copy.deepcopy(schema)
+    for node in _subschemas(out):
+        if annotated(node):
+            for key in [k for k in node if k not in _CONSTRAINING]:
+                del node[key]
     return out

