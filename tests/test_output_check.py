@@ -6,7 +6,7 @@ import asyncio
 import json
 
 from gramserve.messages import GrammarRequest
-from gramserve.server.output_check import OutputChecker
+from gramserve.server.output_check import CheckResult, OutputChecker
 
 SCHEMA = {
     "type": "object",
@@ -124,3 +124,21 @@ def test_tool_calls_are_checked_against_their_tools():
     assert "long" in c.check_now(plan, calls({"name": "Adalbert"})).error
     # A repeated call is not returned (chat_output.first_calls_until_repeat), so nothing after it is checked.
     assert c.check_now(plan, calls({"name": "Bo"}, {"name": "Bo"}, {"name": "Ada"})).error is None
+
+
+def test_ecma_unicode_classes_in_patterns_and_property_names_are_checked():
+    """\\p{L} is ECMA-262 but not Python's `re`: jsonschema's metaschema check and its patternProperties and
+    additionalProperties matching raised on it, so 290 of 1,898 CloudFormation schemas went unchecked (and two
+    invalid outputs got through). Patterns and property names are matched with the `regex` module now."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "pattern": r"^[\p{L}\p{Z}]+$"}},
+        "patternProperties": {r"^\p{Lu}": {"type": "integer"}},
+        "additionalProperties": False,
+    }
+    c = OutputChecker()
+    assert c.check_now(grammar(schema), '{"name": "Zoë Ann", "X": 1}') == CheckResult(True, None)
+    assert "does not match" in c.check_now(grammar(schema), '{"name": "Zoë 1"}').error
+    assert c.check_now(grammar(schema), '{"Xy": "one"}').error  # a matching key: its schema applies
+    assert "unexpected" in c.check_now(grammar(schema), '{"lower": 1}').error  # no pattern matches: additional
+    assert c.check_now(grammar({"type": "object", "additionalProperties": {"type": "string"}}), '{"a": 1}').error

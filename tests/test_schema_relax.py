@@ -230,3 +230,61 @@ def test_property_counts_beside_optional_properties_are_left_to_the_check():
     assert sorted(dropped) == ["maxProperties at /", "minProperties at /"]
     all_required = {**optional, "required": ["a", "b"]}
     assert relax(all_required) == (all_required, [])
+
+
+def test_patterns_beyond_the_grammars_regex_syntax_are_left_to_the_check(tokenizer):
+    """CloudFormation's resource schemas (cfn-lint) were refused for patterns llguidance cannot read (word
+    boundaries, lookahead in patternProperties keys), for a pattern it cannot intersect with a length range, and
+    for overlapping patternProperties. Relaxed, exactly those go to the last check; every other pattern and bound
+    stays enforced by the grammar."""
+    from test_grammar_corpus import accepts, get_backend
+
+    from gramserve.grammar.compile_process import compile_grammar
+    from gramserve.messages import GrammarRequest
+
+    arn = r"^arn:[\w+=\/,.@-]+:[a-zA-Z0-9\-]+:[a-zA-Z0-9\-]*:[a-zA-Z0-9]{1,12}:[a-zA-Z]+(\/[a-fA-F0-9\-]{36})+$"
+    schema = {
+        "type": "object",
+        "properties": {
+            "cron": {"type": "string", "pattern": r"^\b[0-5]?[0-9]\b$"},
+            "arn": {"type": "string", "pattern": arn, "minLength": 20, "maxLength": 2048},
+            "code": {"type": "string", "pattern": "^[A-Z]{3}$", "maxLength": 3},
+            "tags": {
+                "type": "object",
+                "patternProperties": {"^(?!aws:)[a-z]+$": {"type": "string"}},
+                "additionalProperties": False,
+            },
+            "env": {
+                "type": "object",
+                "patternProperties": {"^[a-z]+$": {"type": "integer"}, "[\\S\\s]*": {"type": "integer"}},
+                "additionalProperties": False,
+            },
+        },
+        "required": ["code"],
+        "uniqueItems": True,  # something relax always drops, so that the relaxed compile is tried
+    }
+    relaxed, dropped = relax(schema)
+    props = relaxed["properties"]
+    assert "pattern" not in props["cron"]
+    assert props["arn"] == {"type": "string", "pattern": arn}  # the pattern stays, the length range goes
+    assert props["code"] == schema["properties"]["code"]
+    assert props["tags"]["patternProperties"] == {}
+    assert list(props["env"]["patternProperties"]) == ["^[a-z]+$"]
+    assert "minLength beside pattern at /properties/arn" in dropped
+
+    b = get_backend(tokenizer, "llguidance")
+    compiled = compile_grammar(b, GrammarRequest("json_schema", json.dumps(schema), "llguidance"), relaxed=True)
+    assert accepts(b, compiled, json.dumps({"code": "ABC", "env": {"a": 1}}), tokenizer, check_mask=False)
+    assert not accepts(b, compiled, json.dumps({"code": "AB1"}), tokenizer, check_mask=False)
+    assert not accepts(b, compiled, json.dumps({"code": "ABC", "tags": {"aws": "x"}}), tokenizer, check_mask=False)
+
+
+def test_one_of_required_sets_without_a_type_means_an_object():
+    """CloudFormation's root schemas have no "type" and a oneOf of required sets: a non-object passes every branch,
+    so it fails oneOf. Relaxed to anyOf, the grammar let `null` and `0.7` through (2 invalid outputs of 1,898); the
+    object type those branches imply now stays."""
+    schema = {"properties": {"a": {}, "b": {}}, "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}
+    relaxed, _ = relax(schema)
+    assert relaxed["type"] == "object" and relaxed["anyOf"] == schema["oneOf"]
+    typed = {"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}
+    assert "type" not in relax(typed)[0]

@@ -11,7 +11,9 @@ schema and resamples a failing one (server/output_check.py, server/tokenizer_man
 from __future__ import annotations
 
 import copy
+import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
 from gramserve.grammar.backends._structural_tag import tag_schemas
@@ -53,29 +55,53 @@ KNOWN_FORMATS = {
     "unknown",
 }
 _INSTANCE_KEYS = {"enum", "const", "default", "examples"}
+_LENGTHS = ("minLength", "maxLength")
+_OBJECT_KEYWORDS = {
+    "required",
+    "properties",
+    "additionalProperties",
+    "patternProperties",
+    "minProperties",
+    "maxProperties",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "propertyNames",
+    "title",
+    "description",
+    "$comment",
+}
 _SCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions"}
 
 
-def relax(schema: Any) -> tuple[Any, list[str]]:
-    """`schema` with what no grammar enforces taken out, and what was taken out (keyword at JSON pointer)."""
+def relax(schema: Any, check_regexes: bool = True) -> tuple[Any, list[str]]:
+    """`schema` with what no grammar enforces taken out, and what was taken out (keyword at JSON pointer).
+    `check_regexes` False skips asking llguidance about each pattern (about 0.3 ms each: not for the service's loop)."""
     dropped: list[str] = []
     if not isinstance(schema, dict):
         return schema, dropped
-    return _relax(copy.deepcopy(schema), "", dropped), dropped
+    refused = _regex_refused if check_regexes else _never
+    return _relax(copy.deepcopy(schema), "", dropped, refused), dropped
 
 
-def dropped_keywords(text: str, kind: str = "json_schema") -> list[str]:
+def dropped_keywords(text: str, kind: str = "json_schema", check_regexes: bool = True) -> list[str]:
     """What `relax` takes out of a JSON schema (after `not` is rewritten where it can be), or out of each JSON schema
     of a structural tag (tool-call arguments); [] if nothing, or if the text cannot be read."""
     try:
         schemas = [json.loads(text)] if kind == "json_schema" else tag_schemas(text) if kind == "structural_tag" else []
     except (ValueError, GrammarCompileError):
         return []
-    return [d for schema in schemas for d in relax(rewrite_not(hoist_deep_refs(schema)))[1]]
+    return [d for schema in schemas for d in relax(rewrite_not(hoist_deep_refs(schema)), check_regexes)[1]]
 
 
 def relaxable(text: str, kind: str = "json_schema") -> bool:
-    return bool(dropped_keywords(text, kind))
+    """Might relaxing change the schema? Cheap enough for the grammar service's loop: patterns are not checked one by
+    one (a schema with any may have one the grammar cannot read; its relaxed compile finds out, on a worker)."""
+    return '"pattern' in text or bool(dropped_keywords(text, kind, check_regexes=False))
+
+
+def _never(_schema: dict) -> bool:
+    return False
 
 
 def _required_either_way(node: dict) -> list[str]:
@@ -89,6 +115,31 @@ def _required_either_way(node: dict) -> list[str]:
     return [k for k in a if isinstance(k, str) and k in b]
 
 
+def _regex_refused(string_schema: dict) -> bool:
+    """Does llguidance, which compiles relaxed grammars, refuse this string (or patternProperties) schema? Its regex
+    syntax is Rust's, without lookaround, word boundaries or anchors inside the pattern; it cannot always intersect a
+    pattern with a length range ("Unable to determine if regex is empty"), and it wants patternProperties disjoint.
+    CloudFormation's schemas hold all of these. Checking one pattern takes about 0.3 ms."""
+    return _refused_text(json.dumps(string_schema, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8192)
+def _refused_text(text: str) -> bool:
+    try:
+        from llguidance import LLMatcher
+    except ImportError:  # no llguidance: nothing to tell (the compile itself reports)
+        return False
+    try:
+        return bool(LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(text)))
+    except Exception:  # noqa: BLE001 - a schema its parser rejects outright is refused too
+        return True
+
+
+def _object_only(branch: Any) -> bool:
+    """A non-empty schema whose keywords all apply to objects only ({"required": ["a"]}): any non-object passes it."""
+    return isinstance(branch, dict) and bool(branch) and branch.keys() <= _OBJECT_KEYWORDS
+
+
 def _counts_beside_optional(node: dict) -> bool:
     """minProperties / maxProperties on an object some of whose listed properties are optional."""
     if "minProperties" not in node and "maxProperties" not in node:
@@ -98,7 +149,7 @@ def _counts_beside_optional(node: dict) -> bool:
     return bool(props) and any(name not in required for name in props)
 
 
-def _relax(node: Any, at: str, dropped: list[str]) -> Any:
+def _relax(node: Any, at: str, dropped: list[str], refused: Callable[[dict], bool]) -> Any:
     if not isinstance(node, dict):
         return node
     if "if" in node:  # what if/then/else implies either way stays in the grammar (a weaker rule, still implied)
@@ -110,9 +161,29 @@ def _relax(node: Any, at: str, dropped: list[str]) -> Any:
         if key in node:
             del node[key]
             dropped.append(f"{key} at {at or '/'}")
-    if isinstance(node.get("pattern"), str) and beyond_regular(node["pattern"]):
-        del node["pattern"]
-        dropped.append(f"pattern (lookaround or backreference) at {at or '/'}")
+    pattern = node.get("pattern")
+    if isinstance(pattern, str):
+        if beyond_regular(pattern):
+            del node["pattern"]
+            dropped.append(f"pattern (lookaround or backreference) at {at or '/'}")
+        elif refused({"type": "string", "pattern": pattern}):
+            del node["pattern"]
+            dropped.append(f"pattern (beyond the grammar's regex syntax) at {at or '/'}")
+        elif refused({"type": "string", **{k: node[k] for k in ("pattern", *_LENGTHS) if k in node}}):
+            for key in _LENGTHS:
+                if key in node:
+                    del node[key]
+                    dropped.append(f"{key} beside pattern at {at or '/'}")
+    if isinstance(node.get("patternProperties"), dict):
+        for key in list(node["patternProperties"]):
+            if beyond_regular(key) or refused({"type": "string", "pattern": key}):
+                del node["patternProperties"][key]
+                dropped.append(f"patternProperties {key!r} at {at or '/'}")
+        keys = list(node["patternProperties"])
+        if len(keys) > 1 and refused({"type": "object", "patternProperties": {k: {} for k in keys}}):
+            for key in keys[1:]:  # llguidance wants the patterns disjoint: the first stays, the check does the rest
+                del node["patternProperties"][key]
+                dropped.append(f"patternProperties {key!r} (overlapping) at {at or '/'}")
     fmt = node.get("format")
     if isinstance(fmt, str) and fmt not in KNOWN_FORMATS:
         del node["format"]
@@ -124,6 +195,9 @@ def _relax(node: Any, at: str, dropped: list[str]) -> Any:
                 dropped.append(f"{key} at {at or '/'}")
     if "oneOf" in node and isinstance(node["oneOf"], list) and _oneof_overlaps(node):
         branches = node.pop("oneOf")
+        if "type" not in node and sum(_object_only(b) for b in branches) >= 2:
+            # a non-object passes every such branch, so it fails oneOf: the instance is an object (exact, not relaxed)
+            node["type"] = "object"
         if "anyOf" in node:
             node["allOf"] = [*node.get("allOf", []), {"anyOf": branches}]
         else:
@@ -134,9 +208,9 @@ def _relax(node: Any, at: str, dropped: list[str]) -> Any:
             continue
         here = f"{at}/{key}"
         if key in _SCHEMA_MAPS and isinstance(value, dict):
-            node[key] = {k: _relax(v, f"{here}/{k}", dropped) for k, v in value.items()}
+            node[key] = {k: _relax(v, f"{here}/{k}", dropped, refused) for k, v in value.items()}
         elif isinstance(value, dict):
-            node[key] = _relax(value, here, dropped)
+            node[key] = _relax(value, here, dropped, refused)
         elif isinstance(value, list):
-            node[key] = [_relax(v, f"{here}/{i}", dropped) for i, v in enumerate(value)]
+            node[key] = [_relax(v, f"{here}/{i}", dropped, refused) for i, v in enumerate(value)]
     return node

@@ -58,16 +58,47 @@ class _Unchecked(Exception):
     """A pattern took too long to match: the output cannot be checked."""
 
 
-def _pattern_keyword(validator, pattern, instance, schema):
-    """jsonschema's `pattern` with the `regex` module and a time limit instead of `re`."""
-    if not validator.is_type(instance, "string"):
-        return
+def _search(pattern: str, text: str) -> bool:
     try:
-        found = regex.search(pattern, instance, timeout=PATTERN_TIMEOUT_S)
+        return regex.search(pattern, text, timeout=PATTERN_TIMEOUT_S) is not None
     except TimeoutError:
         raise _Unchecked(pattern) from None
-    if found is None:
+
+
+def _pattern_keyword(validator, pattern, instance, schema):
+    """jsonschema's `pattern` with the `regex` module and a time limit instead of `re`."""
+    if validator.is_type(instance, "string") and not _search(pattern, instance):
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+# `re` does not read ECMA-262's Unicode classes (\p{L}, \P{C}: 290 of the 1,898 CloudFormation schemas use them), so
+# the keywords that match property names use the `regex` module as well.
+def _pattern_properties_keyword(validator, patterns, instance, schema):
+    if not validator.is_type(instance, "object"):
+        return
+    for pattern, subschema in patterns.items():
+        for key, value in instance.items():
+            if _search(pattern, key):
+                yield from validator.descend(value, subschema, path=key, schema_path=pattern)
+
+
+def _additional_properties_keyword(validator, additional, instance, schema):
+    if not validator.is_type(instance, "object"):
+        return
+    declared, patterns = schema.get("properties", {}), schema.get("patternProperties", {})
+    extras = [k for k in instance if k not in declared and not any(_search(p, k) for p in patterns)]
+    if validator.is_type(additional, "object"):
+        for key in extras:
+            yield from validator.descend(instance[key], additional, path=key)
+    elif additional is False and extras:
+        yield ValidationError(f"Additional properties are not allowed ({', '.join(map(repr, extras))} unexpected)")
+
+
+_REGEX_KEYWORDS = {
+    "pattern": _pattern_keyword,
+    "patternProperties": _pattern_properties_keyword,
+    "additionalProperties": _additional_properties_keyword,
+}
 
 
 class OutputChecker:
@@ -152,10 +183,13 @@ def _validator(schema_text: str):
         # Integral counts as ints (a "maxLength": 2.0 would fail the metaschema's integer check as a Decimal).
         schema = integral_counts(json.loads(schema_text, parse_float=_decimal_or_int))
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        cls.check_schema(schema)
+        # Against the metaschema without its formats: its "regex" format is checked with `re` (see above).
+        error = jsonschema.exceptions.best_match(cls(cls.META_SCHEMA).iter_errors(schema))
+        if error is not None:
+            raise error
         # 5.0 is an integer in JSON Schema; outputs are read as Decimals, which the default checker calls numbers only.
         types = cls.TYPE_CHECKER.redefine("integer", _is_integer)
-        cls = jsonschema.validators.extend(cls, {"pattern": _pattern_keyword}, type_checker=types)
+        cls = jsonschema.validators.extend(cls, _REGEX_KEYWORDS, type_checker=types)
         return cls(schema, format_checker=cls.FORMAT_CHECKER)
     except Exception:  # noqa: BLE001 - the backends accepted it; the validator does not: leave it unchecked
         return None
