@@ -36,6 +36,7 @@ import jsonschema
 
 from gramserve.grammar.backends import GrammarBackend, GrammarCompileError, GrammarSpec, create_backend
 from gramserve.sampling.bitmask import allocate_bitmask
+from gramserve.server.output_check import REGEX_KEYWORDS, PatternTimeout
 
 
 def category(path: Path) -> str:
@@ -415,7 +416,11 @@ def instance_error(schema: Any, text: str) -> str | None:
         instance = json.loads(text, parse_float=Decimal)
         schema = json.loads(json.dumps(schema), parse_float=Decimal)
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        # ECMA-262 patterns (\p{L}) through the `regex` module, as the server's check does: `re` cannot read them.
+        cls = jsonschema.validators.extend(cls, REGEX_KEYWORDS)
         error = next(iter(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(instance)), None)
+    except PatternTimeout:
+        return None  # a pattern that backtracks past its time limit: not checkable here
     except ArithmeticError:
         return None  # a number past Decimal's exponent range: valid JSON, not checkable here
     except (ValueError, RecursionError) as exc:

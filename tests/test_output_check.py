@@ -142,3 +142,24 @@ def test_ecma_unicode_classes_in_patterns_and_property_names_are_checked():
     assert c.check_now(grammar(schema), '{"Xy": "one"}').error  # a matching key: its schema applies
     assert "unexpected" in c.check_now(grammar(schema), '{"lower": 1}').error  # no pattern matches: additional
     assert c.check_now(grammar({"type": "object", "additionalProperties": {"type": "string"}}), '{"a": 1}').error
+
+
+def test_checks_waiting_for_a_thread_are_not_given_up():
+    """Many outputs finishing at once queue for the check threads; the time bound counts from when a thread takes a
+    check, so none of them comes back unchecked (each check here takes about 0.3 s of a 0.5 s bound)."""
+    import time
+
+    c = OutputChecker(timeout_s=0.5)
+    slow = c.check_now
+
+    def check_now(target, text):
+        time.sleep(0.3)
+        return slow(target, text)
+
+    c.check_now = check_now
+
+    async def burst():
+        return await asyncio.gather(*(c.check(grammar(SCHEMA), '{"name": "Ada"}') for _ in range(8)))
+
+    results = asyncio.run(burst())
+    assert all(r == CheckResult(True, None) for r in results) and c.stats["unchecked"] == 0

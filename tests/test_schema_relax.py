@@ -60,10 +60,19 @@ def test_lookaround_patterns_and_unknown_formats_are_dropped_other_ones_kept():
     }
     relaxed, dropped = relax(schema)
     props = relaxed["properties"]
-    assert props["pw"] == {"type": "string", "maxLength": 8}
+    assert props["pw"] == {"type": "string", "pattern": "^.{8}$", "maxLength": 8}  # the lookahead goes, not the rest
     assert props["code"] == schema["properties"]["code"] and props["when"] == schema["properties"]["when"]
     assert props["ptr"] == {"type": "string"}
     assert len(dropped) == 2
+
+
+def test_lookaround_groups_come_out_of_a_pattern_and_the_rest_stays():
+    from gramserve.grammar.schema_audit import without_lookaround
+
+    assert without_lookaround(r"^(?!aws:)[a-zA-Z+-=._:/]+$") == r"^[a-zA-Z+-=._:/]+$"
+    assert without_lookaround(r"^((?!-)[a-z-]*\.)+(?<=x)$") == r"^([a-z-]*\.)+$"
+    assert without_lookaround(r"^[(?=]a(?:b)$") == r"^[(?=]a(?:b)$"  # in a class, or a plain group: kept
+    assert without_lookaround(r"(a)\1") is None
 
 
 def test_not_is_rewritten_exactly_before_anything_is_dropped():
@@ -234,9 +243,9 @@ def test_property_counts_beside_optional_properties_are_left_to_the_check():
 
 def test_patterns_beyond_the_grammars_regex_syntax_are_left_to_the_check(tokenizer):
     """CloudFormation's resource schemas (cfn-lint) were refused for patterns llguidance cannot read (word
-    boundaries, lookahead in patternProperties keys), for a pattern it cannot intersect with a length range, and
-    for overlapping patternProperties. Relaxed, exactly those go to the last check; every other pattern and bound
-    stays enforced by the grammar."""
+    boundaries, lookahead in patternProperties keys: the lookahead goes, the rest stays), for a pattern it cannot
+    intersect with a length range, and for overlapping patternProperties. Relaxed, exactly those go to the last
+    check; every other pattern and bound stays enforced by the grammar."""
     from test_grammar_corpus import accepts, get_backend
 
     from gramserve.grammar.compile_process import compile_grammar
@@ -268,7 +277,7 @@ def test_patterns_beyond_the_grammars_regex_syntax_are_left_to_the_check(tokeniz
     assert "pattern" not in props["cron"]
     assert props["arn"] == {"type": "string", "pattern": arn}  # the pattern stays, the length range goes
     assert props["code"] == schema["properties"]["code"]
-    assert props["tags"]["patternProperties"] == {}
+    assert props["tags"]["patternProperties"] == {"^[a-z]+$": {"type": "string"}}
     assert list(props["env"]["patternProperties"]) == ["^[a-z]+$"]
     assert "minLength beside pattern at /properties/arn" in dropped
 
@@ -276,7 +285,7 @@ def test_patterns_beyond_the_grammars_regex_syntax_are_left_to_the_check(tokeniz
     compiled = compile_grammar(b, GrammarRequest("json_schema", json.dumps(schema), "llguidance"), relaxed=True)
     assert accepts(b, compiled, json.dumps({"code": "ABC", "env": {"a": 1}}), tokenizer, check_mask=False)
     assert not accepts(b, compiled, json.dumps({"code": "AB1"}), tokenizer, check_mask=False)
-    assert not accepts(b, compiled, json.dumps({"code": "ABC", "tags": {"aws": "x"}}), tokenizer, check_mask=False)
+    assert not accepts(b, compiled, json.dumps({"code": "ABC", "tags": {"Aws": "x"}}), tokenizer, check_mask=False)
 
 
 def test_one_of_required_sets_without_a_type_means_an_object():
@@ -286,5 +295,6 @@ def test_one_of_required_sets_without_a_type_means_an_object():
     schema = {"properties": {"a": {}, "b": {}}, "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}
     relaxed, _ = relax(schema)
     assert relaxed["type"] == "object" and relaxed["anyOf"] == schema["oneOf"]
+    assert relax({"oneOf": [{"required": ["a"]}, {}]})[0]["type"] == "object"  # {} passes everything
     typed = {"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}
     assert "type" not in relax(typed)[0]

@@ -213,3 +213,61 @@ def beyond_regular(pattern: str) -> bool:
                 return True
         i += 1
     return False
+
+
+def without_lookaround(pattern: str) -> str | None:
+    """The pattern with its lookaround groups taken out (``^(?!aws:)[a-z]+$`` -> ``^[a-z]+$``): a lookaround only
+    narrows what matches, so the result matches a superset, the closest regular pattern. None if the pattern has
+    backreferences (no such superset is simple) or cannot be read."""
+    out: list[str] = []
+    i, n, in_class = 0, len(pattern), False
+    while i < n:
+        c = pattern[i]
+        if c == "\\":
+            if not in_class and pattern[i + 1 : i + 2] in tuple("123456789k"):
+                return None
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "]":
+                out.append("[]")
+                i += 2
+                continue
+        elif c == "(" and (pattern[i + 2 : i + 3] in ("=", "!") or pattern[i + 2 : i + 4] in ("<=", "<!")):
+            if pattern[i + 1 : i + 2] == "?":
+                end = _group_end(pattern, i)
+                if end is None:
+                    return None
+                i = end + 1
+                continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+def _group_end(pattern: str, start: int) -> int | None:
+    """The index of the ")" closing the group opened at `start`."""
+    depth, i, in_class = 0, start, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "]":
+                i += 1
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return None

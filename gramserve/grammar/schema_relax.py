@@ -18,7 +18,7 @@ from typing import Any
 
 from gramserve.grammar.backends._structural_tag import tag_schemas
 from gramserve.grammar.backends.base import GrammarCompileError
-from gramserve.grammar.schema_audit import _oneof_overlaps, beyond_regular
+from gramserve.grammar.schema_audit import _oneof_overlaps, beyond_regular, without_lookaround
 from gramserve.grammar.schema_normalize import hoist_deep_refs, rewrite_not
 
 # Keywords a grammar cannot follow: dropped from the grammar, enforced by the last check.
@@ -136,8 +136,8 @@ def _refused_text(text: str) -> bool:
 
 
 def _object_only(branch: Any) -> bool:
-    """A non-empty schema whose keywords all apply to objects only ({"required": ["a"]}): any non-object passes it."""
-    return isinstance(branch, dict) and bool(branch) and branch.keys() <= _OBJECT_KEYWORDS
+    """A schema whose keywords all apply to objects only ({"required": ["a"]}, or {}): any non-object passes it."""
+    return branch is True or (isinstance(branch, dict) and branch.keys() <= _OBJECT_KEYWORDS)
 
 
 def _counts_beside_optional(node: dict) -> bool:
@@ -162,11 +162,16 @@ def _relax(node: Any, at: str, dropped: list[str], refused: Callable[[dict], boo
             del node[key]
             dropped.append(f"{key} at {at or '/'}")
     pattern = node.get("pattern")
-    if isinstance(pattern, str):
-        if beyond_regular(pattern):
+    if isinstance(pattern, str) and beyond_regular(pattern):
+        regular = without_lookaround(pattern)
+        if regular is not None and not refused({"type": "string", "pattern": regular}):
+            node["pattern"] = pattern = regular  # the lookaround goes to the check, the rest stays in the grammar
+            dropped.append(f"lookaround in the pattern at {at or '/'}")
+        else:
             del node["pattern"]
             dropped.append(f"pattern (lookaround or backreference) at {at or '/'}")
-        elif refused({"type": "string", "pattern": pattern}):
+    if isinstance(pattern, str) and "pattern" in node:
+        if refused({"type": "string", "pattern": pattern}):
             del node["pattern"]
             dropped.append(f"pattern (beyond the grammar's regex syntax) at {at or '/'}")
         elif refused({"type": "string", **{k: node[k] for k in ("pattern", *_LENGTHS) if k in node}}):
@@ -176,7 +181,16 @@ def _relax(node: Any, at: str, dropped: list[str], refused: Callable[[dict], boo
                     dropped.append(f"{key} beside pattern at {at or '/'}")
     if isinstance(node.get("patternProperties"), dict):
         for key in list(node["patternProperties"]):
-            if beyond_regular(key) or refused({"type": "string", "pattern": key}):
+            regular = without_lookaround(key) if beyond_regular(key) else key
+            if regular is None or refused({"type": "string", "pattern": regular}):
+                del node["patternProperties"][key]
+                dropped.append(f"patternProperties {key!r} at {at or '/'}")
+            elif regular != key and regular not in node["patternProperties"]:
+                node["patternProperties"] = {
+                    (regular if k == key else k): v for k, v in node["patternProperties"].items()
+                }
+                dropped.append(f"lookaround in patternProperties {key!r} at {at or '/'}")
+            elif regular != key:
                 del node["patternProperties"][key]
                 dropped.append(f"patternProperties {key!r} at {at or '/'}")
         keys = list(node["patternProperties"])
