@@ -142,6 +142,9 @@ class OutputChecker:
             until = started[0] + self.timeout_s if started else queued_until
             left = until - time.monotonic()
             if left <= 0:
+                logger.info(
+                    "an output was left unchecked: its check %s", "ran too long" if started else "never started"
+                )
                 result = CheckResult(False, None)
                 break
             try:
@@ -175,19 +178,23 @@ class OutputChecker:
             # Decimals, not floats: 10000.89 is a multiple of 0.01 as JSON text, not as a binary float.
             value = json.loads(text, parse_float=Decimal)
         except ArithmeticError:
-            return CheckResult(False)  # JSON, but a number past Decimal's exponent range: not checkable here
+            logger.info("an output was left unchecked: a number past Decimal's exponent range")
+            return CheckResult(False)  # JSON, but not checkable here
         except ValueError as exc:
             if "integer string conversion" in str(exc):
-                return CheckResult(False)  # JSON, but an integer of more than 4300 digits: Python will not read it
+                logger.info("an output was left unchecked: an integer of more than 4300 digits")
+                return CheckResult(False)  # JSON, but Python will not read it
             return CheckResult(True, f"the output is not JSON: {exc}")
         if kind == "json_object":
             return CheckResult(True, None if isinstance(value, dict) else "the output is not a JSON object")
         validator = _validator(schema_text)
         if validator is None:
+            logger.info("an output was left unchecked: the validator cannot read its schema")
             return CheckResult(False)
         try:
             error = next(iter(validator.iter_errors(value)), None)
-        except Exception:  # noqa: BLE001 - unresolvable $ref and the like: the schema cannot be checked here
+        except Exception as exc:  # noqa: BLE001 - unresolvable $ref and the like: the schema cannot be checked here
+            logger.info("an output was left unchecked: %s: %s", type(exc).__name__, str(exc)[:200])
             return CheckResult(False)
         if error is None:
             return CheckResult(True)
