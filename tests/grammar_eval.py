@@ -36,7 +36,7 @@ import jsonschema
 
 from gramserve.grammar.backends import GrammarBackend, GrammarCompileError, GrammarSpec, create_backend
 from gramserve.sampling.bitmask import allocate_bitmask
-from gramserve.server.output_check import REGEX_KEYWORDS, PatternTimeout
+from gramserve.server.output_check import REGEX_KEYWORDS, PatternTimeout, output_number
 
 
 def category(path: Path) -> str:
@@ -413,7 +413,7 @@ def instance_error(schema: Any, text: str) -> str | None:
     or None when it validates or cannot be checked here (a number Python will not read, a schema the validator
     cannot read, an unresolvable $ref). The client-side check of the fuzz test and bench_corpus_validity.py."""
     try:
-        instance = json.loads(text, parse_float=Decimal)
+        instance = json.loads(text, parse_float=output_number)
         schema = json.loads(json.dumps(schema), parse_float=Decimal)
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         # ECMA-262 patterns (\p{L}) through the `regex` module, as the server's check does: `re` cannot read them.

@@ -23,7 +23,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from decimal import Decimal
+from decimal import MAX_EMAX, Decimal
 
 import jsonschema
 import regex
@@ -176,10 +176,7 @@ class OutputChecker:
     def _check_json(self, kind: str, schema_text: str, text: str) -> CheckResult:
         try:
             # Decimals, not floats: 10000.89 is a multiple of 0.01 as JSON text, not as a binary float.
-            value = json.loads(text, parse_float=Decimal)
-        except ArithmeticError:
-            logger.info("an output was left unchecked: a number past Decimal's exponent range")
-            return CheckResult(False)  # JSON, but not checkable here
+            value = json.loads(text, parse_float=output_number)
         except ValueError as exc:
             if "integer string conversion" in str(exc):
                 logger.info("an output was left unchecked: an integer of more than 4300 digits")
@@ -219,6 +216,17 @@ def _validator(schema_text: str):
         return cls(schema, format_checker=cls.FORMAT_CHECKER)
     except Exception:  # noqa: BLE001 - the backends accepted it; the validator does not: leave it unchecked
         return None
+
+
+def output_number(text: str) -> Decimal:
+    """A JSON number of an output as an exact Decimal. Random weights write exponents past Decimal's range
+    (``1e`` and twenty digits): those are clamped to the range's edge, which keeps their sign, whether they are
+    integers, and how they compare with any bound a schema can state (they went unchecked before)."""
+    try:
+        return Decimal(text)
+    except ArithmeticError:
+        mantissa, _, exponent = text.lower().partition("e")
+        return Decimal(f"{mantissa}e{-MAX_EMAX if exponent.startswith('-') else MAX_EMAX}")
 
 
 def _decimal_or_int(text: str):
