@@ -95,7 +95,8 @@ def test_the_service_bans_the_continuation_inside_a_json_string(tokenizer):
             bans.append(reply.loop_bans)
             assert allowed(bitmask, 1, ab[0])  # the regex keeps its repetitions
             assert allowed(bitmask, 0, ab[0]) == (i < MIN_SPAN), i
-        assert bans == [0] * (MIN_SPAN - 1) + [1] * (2 * MIN_SPAN)
+        # from STALL_SPAN tokens in the string on, the stalled-string rule counts too (only a closing token is left)
+        assert [min(b, 1) for b in bans] == [0] * (MIN_SPAN - 1) + [1] * (2 * MIN_SPAN)
     finally:
         svc.close()
 
@@ -175,3 +176,57 @@ def test_numbers_that_do_not_count_up_are_left_alone(tokenizer):
     scores = ", ".join(str(rng.randrange(100)) for _ in range(60))
     for text in (points, years, scores):
         assert not feed_text(LoopGuard(digits), tokenizer, text), text[:40]
+
+
+def test_a_stalled_string_may_only_close(tokenizer):
+    """Near-loops that never repeat exactly ("FleetAppServerClientFleetFleet...", a held-out CloudFormation output
+    cut at max_tokens): once a JSON string's last STALL_SPAN tokens hold at most STALL_DISTINCT distinct ones, the
+    next token must close it where the grammar allows that; a string of natural text, escaped quotes and a bounded
+    pattern are left alone."""
+    from gramserve.grammar.loop_guard import STALL_SPAN, StringTokens
+
+    strings = StringTokens.of(tokenizer, len(tokenizer))
+    rng = random.Random(5)
+    parts = ["Fleet", "App", "Server", "Client", "-", "nj", "LINUX", "_"]
+    junk = "".join(rng.choice(parts) for _ in range(120))
+    guard = LoopGuard(None, strings)
+    tokens = tokenizer.encode('{"name": "' + junk, add_special_tokens=False)
+    stalled = []
+    for i, t in enumerate(tokens):
+        guard.accept(t)
+        stalled.append(guard.string_stalled())
+    first = stalled.index(True)
+    assert STALL_SPAN <= first < STALL_SPAN + 8 and all(stalled[first:])
+    guard.accept(tokenizer.encode('"', add_special_tokens=False)[0])  # closed: nothing to watch
+    assert not guard.string_stalled()
+
+    prose = (
+        "Deploys the checkout service to the staging cluster every weekday morning, after the integration tests "
+        'pass and the on-call engineer approves the change in the \\"release\\" channel; rollbacks are automatic '
+        "when the error rate doubles within ten minutes of the rollout, and the team is paged."
+    )
+    guard = LoopGuard(None, strings)
+    for t in tokenizer.encode('{"note": "' + prose, add_special_tokens=False):
+        guard.accept(t)
+        assert not guard.string_stalled()
+
+    bitmask = allocate_bitmask(2, len(tokenizer))
+    svc = GrammarService(
+        tokenizer, len(tokenizer), [EOS], GrammarOptions(loop_guard=True), bitmask, fill_threads=0, compile_timeout_s=30
+    )
+    free = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    long = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1000}}, "required": ["s"]}
+    quote = tokenizer.convert_tokens_to_ids('"')
+    try:
+        svc.submit(GrammarCompileReq("free", GrammarRequest("json_schema", json.dumps(free))))
+        svc.submit(GrammarCompileReq("long", GrammarRequest("json_schema", json.dumps(long))))
+        assert all(r.error is None for r in collect(svc, {"free", "long"}).values())
+        tokens = tokenizer.encode('{"s": "' + junk, add_special_tokens=False)
+        for i, t in enumerate(tokens):
+            svc.step(GrammarStepReq(i, [("free", t), ("long", t)], [("free", 0), ("long", 1)], []))
+        row = bitmask[0].numpy().view("uint32")
+        assert allowed(bitmask, 0, quote) and not allowed(bitmask, 0, tokens[-1])
+        assert all((int(row[t >> 5]) >> (t & 31)) & 1 == 0 or t in strings.marks for t in range(len(tokenizer)))
+        assert allowed(bitmask, 1, tokens[-1]) and not allowed(bitmask, 1, quote)  # 1,000 characters first
+    finally:
+        svc.close()

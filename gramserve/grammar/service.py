@@ -43,7 +43,7 @@ from gramserve.grammar.compile_process import (
 )
 from gramserve.grammar.fill import FillPool, fill_rows
 from gramserve.grammar.fill_probe import probe_fill_us
-from gramserve.grammar.loop_guard import DigitTokens, LoopGuard
+from gramserve.grammar.loop_guard import DigitTokens, LoopGuard, StringTokens
 from gramserve.grammar.schema_relax import dropped_keywords, relaxable
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
 
@@ -71,6 +71,7 @@ MAX_CHALLENGERS = 8
 IDLE_S = 0.5
 # The kinds whose outputs the loop guard watches (JSON; a regex or EBNF may mean its repetitions).
 LOOP_GUARDED_KINDS = ("json_schema", "json_object", "structural_tag")
+STRING_WATCHED_KINDS = ("json_schema", "json_object")
 
 
 @dataclass
@@ -153,6 +154,7 @@ class GrammarService:
         self.matchers: dict[str, Matcher] = {}
         self.loop_guards: dict[str, LoopGuard] = {}  # rid -> its guard (options.loop_guard, JSON kinds)
         self.digit_tokens = DigitTokens.of(tokenizer) if options.loop_guard else None
+        self.string_tokens = StringTokens.of(tokenizer, vocab_size) if options.loop_guard else None
         self.pending: dict[tuple[str, str, str], _Flight] = {}  # compiles in flight, by key
         self._flight_of: dict[str, _Flight] = {}  # rid -> its flight
         self.compile_threads = compile_threads
@@ -335,7 +337,9 @@ class GrammarService:
         try:
             self.matchers[rid] = self.backend(backend).matcher(compiled)
             if self.options.loop_guard and kind in LOOP_GUARDED_KINDS:
-                self.loop_guards[rid] = LoopGuard(self.digit_tokens)
+                # stalled strings are watched in whole-JSON outputs (a tool-call grammar has free text around)
+                strings = self.string_tokens if kind in STRING_WATCHED_KINDS else None
+                self.loop_guards[rid] = LoopGuard(self.digit_tokens, strings)
         except Exception as exc:  # noqa: BLE001 - a backend bug must not take the process down
             logger.exception("matcher creation failed")
             return GrammarCompileResp(rid, None, f"{backend}: cannot create a matcher: {exc}")
@@ -521,8 +525,12 @@ class GrammarService:
         if guards:
             for rid, (_, row) in zip(rids, rows):
                 guard = guards.get(rid)
-                if guard is not None and (banned := guard.banned()):
+                if guard is None:
+                    continue
+                if banned := guard.banned():
                     loop_bans += ban_tokens(self.bitmask[row], banned)
+                if guard.string_stalled():
+                    loop_bans += keep_only(self.bitmask[row], self.string_tokens.closers)
         failed = {rid: why for rid, (m, _) in zip(rids, rows) if (why := m.error())}
         ms = (time.perf_counter() - t0) * 1e3
         return GrammarStepResp(req.step, rejected, ms, failed=failed, loop_bans=loop_bans)
@@ -554,6 +562,18 @@ def ban_tokens(row: torch.Tensor, tokens: set[int] | frozenset[int]) -> int:
         for w, v in before.items():  # every allowed token continues the loop: the grammar decides
             words[w] = v
         return 0
+    return 1
+
+
+def keep_only(row: torch.Tensor, allowed: np.ndarray) -> int:
+    """Narrow one int32 bitmask row to the `allowed` bits, unless none of them is allowed there; 1 if narrowed."""
+    words = row.numpy().view(np.uint32)
+    n = min(words.shape[0], allowed.shape[0])
+    narrowed = words[:n] & allowed[:n]
+    if not narrowed.any():
+        return 0  # the grammar allows no closing token here (a minLength, a pattern): it decides
+    words[:n] = narrowed
+    words[n:] = 0
     return 1
 
 
