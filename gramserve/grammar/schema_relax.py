@@ -3,9 +3,11 @@
 Some keywords state relations a token grammar cannot follow (uniqueItems, if/then/else, dependencies, contains,
 unevaluated*, most forms of `not`, oneOf whose branches may overlap, lookaround in a pattern). Under `auto`, when
 no backend enforces a schema exactly, the service compiles `relax(schema)` instead: those keywords dropped (an
-overlapping oneOf becomes anyOf), everything else kept. Every output such a grammar allows is still JSON of the
-schema's shape, but may break a dropped keyword, so the server checks each finished output against the original
-schema and resamples a failing one (server/output_check.py, server/tokenizer_manager.py).
+overlapping oneOf becomes anyOf, a pattern loses its lookaround groups), and what llguidance, which compiles
+relaxed grammars, cannot read (patterns beyond its regex syntax, asked pattern by pattern); everything else kept.
+Every output such a grammar allows is still JSON of the schema's shape, but may break a dropped keyword, so the
+server checks each finished output against the original schema and resamples a failing one
+(server/output_check.py, server/tokenizer_manager.py).
 """
 
 from __future__ import annotations
@@ -149,6 +151,49 @@ def _counts_beside_optional(node: dict) -> bool:
     return bool(props) and any(name not in required for name in props)
 
 
+def _relax_pattern(node: dict, at: str, dropped: list[str], refused: Callable[[dict], bool]) -> None:
+    """A pattern with lookaround keeps the rest of it; one the grammar's regex engine cannot read goes; one it cannot
+    intersect with the string's length range keeps the pattern and loses the range."""
+    pattern = node.get("pattern")
+    if isinstance(pattern, str) and beyond_regular(pattern):
+        regular = without_lookaround(pattern)
+        if regular is not None and not refused({"type": "string", "pattern": regular}):
+            node["pattern"] = pattern = regular  # the lookaround goes to the check, the rest stays in the grammar
+            dropped.append(f"lookaround in the pattern at {at}")
+        else:
+            del node["pattern"]
+            dropped.append(f"pattern (lookaround or backreference) at {at}")
+    if isinstance(pattern, str) and "pattern" in node:
+        if refused({"type": "string", "pattern": pattern}):
+            del node["pattern"]
+            dropped.append(f"pattern (beyond the grammar's regex syntax) at {at}")
+        elif refused({"type": "string", **{k: node[k] for k in ("pattern", *_LENGTHS) if k in node}}):
+            for key in _LENGTHS:
+                if key in node:
+                    del node[key]
+                    dropped.append(f"{key} beside pattern at {at}")
+
+
+def _relax_pattern_properties(node: dict, at: str, dropped: list[str], refused: Callable[[dict], bool]) -> None:
+    """patternProperties keys lose their lookaround, or go when unreadable; overlapping keys: the first stays."""
+    for key in list(node["patternProperties"]):
+        regular = without_lookaround(key) if beyond_regular(key) else key
+        if regular is None or refused({"type": "string", "pattern": regular}):
+            del node["patternProperties"][key]
+            dropped.append(f"patternProperties {key!r} at {at}")
+        elif regular != key and regular not in node["patternProperties"]:
+            node["patternProperties"] = {(regular if k == key else k): v for k, v in node["patternProperties"].items()}
+            dropped.append(f"lookaround in patternProperties {key!r} at {at}")
+        elif regular != key:
+            del node["patternProperties"][key]
+            dropped.append(f"patternProperties {key!r} at {at}")
+    keys = list(node["patternProperties"])
+    if len(keys) > 1 and refused({"type": "object", "patternProperties": {k: {} for k in keys}}):
+        for key in keys[1:]:  # llguidance wants the patterns disjoint: the first stays, the check does the rest
+            del node["patternProperties"][key]
+            dropped.append(f"patternProperties {key!r} (overlapping) at {at}")
+
+
 def _relax(node: Any, at: str, dropped: list[str], refused: Callable[[dict], bool]) -> Any:
     if not isinstance(node, dict):
         return node
@@ -161,43 +206,9 @@ def _relax(node: Any, at: str, dropped: list[str], refused: Callable[[dict], boo
         if key in node:
             del node[key]
             dropped.append(f"{key} at {at or '/'}")
-    pattern = node.get("pattern")
-    if isinstance(pattern, str) and beyond_regular(pattern):
-        regular = without_lookaround(pattern)
-        if regular is not None and not refused({"type": "string", "pattern": regular}):
-            node["pattern"] = pattern = regular  # the lookaround goes to the check, the rest stays in the grammar
-            dropped.append(f"lookaround in the pattern at {at or '/'}")
-        else:
-            del node["pattern"]
-            dropped.append(f"pattern (lookaround or backreference) at {at or '/'}")
-    if isinstance(pattern, str) and "pattern" in node:
-        if refused({"type": "string", "pattern": pattern}):
-            del node["pattern"]
-            dropped.append(f"pattern (beyond the grammar's regex syntax) at {at or '/'}")
-        elif refused({"type": "string", **{k: node[k] for k in ("pattern", *_LENGTHS) if k in node}}):
-            for key in _LENGTHS:
-                if key in node:
-                    del node[key]
-                    dropped.append(f"{key} beside pattern at {at or '/'}")
+    _relax_pattern(node, at or "/", dropped, refused)
     if isinstance(node.get("patternProperties"), dict):
-        for key in list(node["patternProperties"]):
-            regular = without_lookaround(key) if beyond_regular(key) else key
-            if regular is None or refused({"type": "string", "pattern": regular}):
-                del node["patternProperties"][key]
-                dropped.append(f"patternProperties {key!r} at {at or '/'}")
-            elif regular != key and regular not in node["patternProperties"]:
-                node["patternProperties"] = {
-                    (regular if k == key else k): v for k, v in node["patternProperties"].items()
-                }
-                dropped.append(f"lookaround in patternProperties {key!r} at {at or '/'}")
-            elif regular != key:
-                del node["patternProperties"][key]
-                dropped.append(f"patternProperties {key!r} at {at or '/'}")
-        keys = list(node["patternProperties"])
-        if len(keys) > 1 and refused({"type": "object", "patternProperties": {k: {} for k in keys}}):
-            for key in keys[1:]:  # llguidance wants the patterns disjoint: the first stays, the check does the rest
-                del node["patternProperties"][key]
-                dropped.append(f"patternProperties {key!r} (overlapping) at {at or '/'}")
+        _relax_pattern_properties(node, at or "/", dropped, refused)
     fmt = node.get("format")
     if isinstance(fmt, str) and fmt not in KNOWN_FORMATS:
         del node["format"]
