@@ -298,3 +298,25 @@ def test_one_of_required_sets_without_a_type_means_an_object():
     assert relax({"oneOf": [{"required": ["a"]}, {}]})[0]["type"] == "object"  # {} passes everything
     typed = {"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}
     assert "type" not in relax(typed)[0]
+
+
+def test_a_schema_with_patterns_that_relaxing_cannot_help_is_refused_with_the_exact_reasons(tokenizer):
+    """Any schema with a pattern may hold one llguidance cannot read, so its relaxed compile is tried; when relaxing
+    changes nothing, the 400 gives the exact candidates' reasons only."""
+    from test_grammar_compile_cache import EOS, collect
+
+    from gramserve.grammar.backends import GrammarOptions
+    from gramserve.grammar.service import GrammarService
+    from gramserve.messages import GrammarCompileReq, GrammarRequest
+    from gramserve.sampling.bitmask import allocate_bitmask
+
+    svc = GrammarService(
+        tokenizer, len(tokenizer), [EOS], GrammarOptions(), allocate_bitmask(1, len(tokenizer)), fill_threads=0
+    )
+    nothing = {"type": "object", "oneOf": [{"type": "string", "pattern": "^a+$"}, {"type": "integer"}]}
+    try:
+        svc.submit(GrammarCompileReq("r", GrammarRequest("json_schema", json.dumps(nothing))))
+        error = collect(svc, {"r"})["r"].error
+    finally:
+        svc.close()
+    assert error and "llguidance" in error and "nothing to relax" not in error

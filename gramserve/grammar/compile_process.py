@@ -58,6 +58,9 @@ PROCESS_BACKENDS = ("outlines",)
 START_TIMEOUT_S = 180.0  # a loaded 2-core box needs ~10 s to import torch and build the vocabulary
 
 
+NOTHING_TO_RELAX = "nothing to relax"  # a relaxed compile whose schema relaxing left as it was
+
+
 class CompileWorkerDied(RuntimeError):
     """The worker process ended (killed or crashed) while compiling."""
 
@@ -104,7 +107,7 @@ def _normalized_schema(text: str, options: GrammarOptions, relaxed: bool) -> str
         return text  # the backend reports the syntax error
     rewritten, dropped = _normalized(schema, options, relaxed)
     if relaxed and not dropped:
-        raise GrammarCompileError("nothing to relax")  # the exact compile already failed for another reason
+        raise GrammarCompileError(NOTHING_TO_RELAX)  # the exact compile already failed for another reason
     return text if rewritten is schema else json.dumps(rewritten)
 
 
@@ -123,7 +126,7 @@ def _normalized_tag(text: str, options: GrammarOptions, relaxed: bool) -> str:
 
     map_json_schemas(tag["format"], one)
     if relaxed and not dropped_any:
-        raise GrammarCompileError("nothing to relax")
+        raise GrammarCompileError(NOTHING_TO_RELAX)
     return json.dumps(tag)
 
 

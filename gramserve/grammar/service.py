@@ -34,6 +34,7 @@ import torch
 from gramserve.grammar.backends import BACKEND_NAMES, create_backend
 from gramserve.grammar.backends.base import GrammarBackend, GrammarCompileError, GrammarOptions, Matcher
 from gramserve.grammar.compile_process import (
+    NOTHING_TO_RELAX,
     PROCESS_BACKENDS,
     BackendArgs,
     CompileResult,
@@ -360,7 +361,8 @@ class GrammarService:
                     result: CompileResult = fut.result()
                 except GrammarCompileError as exc:
                     self.failures.put(key, str(exc))
-                    f.errors.append(f"{f.backend}: {exc}")
+                    if str(exc) != NOTHING_TO_RELAX:  # the exact candidates' errors already say why
+                        f.errors.append(f"{f.backend}: {exc}")
                 except BaseException as exc:  # noqa: BLE001 - includes Rust panics surfacing as BaseException
                     if f.in_process and self._compilers[f.backend].broken:  # no worker: compile on a thread
                         f.candidates.insert(0, f.backend)
