@@ -42,6 +42,9 @@ def test_numbers_are_read_as_decimals():
     assert "maximum" in c.check_now(grammar({"type": "number", "maximum": 1e300}), "1e9999999999999999999").error
     assert c.check_now(grammar({"type": "number", "exclusiveMinimum": 0}), "2E-99999999999999999999").error is None
     assert c.check_now(grammar({"type": "integer"}), "-2E-99999999999999999999").error
+    # a longer mantissa past the edge (an 8B run's outputs: a first version of the clamp raised there, a 500)
+    for text in ("12.5e99999999999999999999", "-0.75E-99999999999999999999", "0.0e99999999999999999999"):
+        assert c.check_now(grammar({"type": "number"}), text) == CheckResult(True, None), text
     result = c.check_now(grammar({"type": ["number", "integer"]}), "1" + "0" * 5000)
     assert not result.checked and result.error is None
 
@@ -167,3 +170,14 @@ def test_checks_waiting_for_a_thread_are_not_given_up():
 
     results = asyncio.run(burst())
     assert all(r == CheckResult(True, None) for r in results) and c.stats["unchecked"] == 0
+
+
+def test_a_check_that_fails_leaves_the_output_unchecked_not_the_request_failed():
+    c = OutputChecker()
+
+    def broken(target, text):
+        raise RuntimeError("a bug in the check")
+
+    c.check_now = broken
+    assert asyncio.run(c.check(grammar(SCHEMA), '{"name": "Ada"}')) == CheckResult(False, None)
+    assert c.stats["unchecked"] == 1

@@ -23,7 +23,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from decimal import MAX_EMAX, Decimal
+from decimal import MAX_EMAX, MIN_EMIN, Decimal
 
 import jsonschema
 import regex
@@ -151,6 +151,9 @@ class OutputChecker:
                 result = await asyncio.wait_for(asyncio.shield(work), min(left, 0.25))
             except asyncio.TimeoutError:
                 continue
+            except Exception:  # noqa: BLE001 - a bug in the check must not fail the request
+                logger.exception("an output was left unchecked: its check failed")
+                result = CheckResult(False, None)
         self.stats["unchecked" if not result.checked else "invalid" if result.error else "checked"] += 1
         return result
 
@@ -177,6 +180,9 @@ class OutputChecker:
         try:
             # Decimals, not floats: 10000.89 is a multiple of 0.01 as JSON text, not as a binary float.
             value = json.loads(text, parse_float=output_number)
+        except ArithmeticError as exc:  # not expected (output_number clamps), but never a 500
+            logger.info("an output was left unchecked: %s reading a number", type(exc).__name__)
+            return CheckResult(False)
         except ValueError as exc:
             if "integer string conversion" in str(exc):
                 logger.info("an output was left unchecked: an integer of more than 4300 digits")
@@ -226,7 +232,11 @@ def output_number(text: str) -> Decimal:
         return Decimal(text)
     except ArithmeticError:
         mantissa, _, exponent = text.lower().partition("e")
-        return Decimal(f"{mantissa}e{-MAX_EMAX if exponent.startswith('-') else MAX_EMAX}")
+        sign = "-" if mantissa.startswith("-") else ""
+        if not any(c in "123456789" for c in mantissa):
+            return Decimal(f"{sign}0")
+        # 1 at the edge: the adjusted exponent of a longer mantissa would fall past the range again
+        return Decimal(f"{sign}1e{MIN_EMIN if exponent.startswith('-') else MAX_EMAX}")
 
 
 def _decimal_or_int(text: str):
