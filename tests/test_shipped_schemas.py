@@ -10,11 +10,11 @@ tokenizer is needed, no model.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 from jsonschema import Draft202012Validator, FormatChecker
 
 from gramserve.grammar.backends import GrammarCompileError, GrammarOptions, create_backend
@@ -242,10 +242,7 @@ def test_example_folder():
 
 @pytest.fixture(scope="module")
 def extraction_docs():
-    spec = importlib.util.spec_from_file_location("extraction_docs", ROOT / "benchmarks" / "extraction_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("extraction_docs")
 
 
 def test_synthetic_documents_are_deterministic_and_varied(extraction_docs):

@@ -189,30 +189,44 @@ def unenforced(backend: str, schema_text: str) -> list[str]:
     return sorted(found)
 
 
-def beyond_regular(pattern: str) -> bool:
-    """Does the regex use lookaround or backreferences? xgrammar's regex conversion drops them (a pattern
-    ``^(?=.*\\d)[a-z0-9]{4}$`` let "abcd" through); a regular automaton cannot enforce them at all."""
+def _regex_elements(pattern: str):
+    """Each element of a regex in order, as (index, text, outside a character class): an escape is one element
+    (``\\d``), every other character one; a "]" right after a class's "[" is a literal of the class."""
     i, n, in_class = 0, len(pattern), False
     while i < n:
         c = pattern[i]
         if c == "\\":
-            nxt = pattern[i + 1 : i + 2]
-            if not in_class and nxt != "" and nxt in "123456789k":
-                return True
+            yield i, pattern[i : i + 2], not in_class
             i += 2
             continue
+        yield i, c, not in_class
         if in_class:
             in_class = c != "]"
         elif c == "[":
             in_class = True
-            if pattern[i + 1 : i + 2] == "]":  # a leading "]" is a literal
+            if pattern[i + 1 : i + 2] == "]":
+                yield i + 1, "]", False
                 i += 1
-        elif c == "(" and pattern[i + 1 : i + 2] == "?":
-            rest = pattern[i + 2 : i + 4]
-            if rest[:1] in ("=", "!") or rest in ("<=", "<!"):
-                return True
         i += 1
-    return False
+
+
+def _backreference(text: str) -> bool:
+    return len(text) == 2 and text[0] == "\\" and text[1] in "123456789k"
+
+
+def _opens_lookaround(pattern: str, i: int) -> bool:
+    return pattern[i : i + 2] == "(?" and (
+        pattern[i + 2 : i + 3] in ("=", "!") or pattern[i + 2 : i + 4] in ("<=", "<!")
+    )
+
+
+def beyond_regular(pattern: str) -> bool:
+    """Does the regex use lookaround or backreferences? xgrammar's regex conversion drops them (a pattern
+    ``^(?=.*\\d)[a-z0-9]{4}$`` let "abcd" through); a regular automaton cannot enforce them at all."""
+    return any(
+        outside and (_backreference(text) or _opens_lookaround(pattern, i))
+        for i, text, outside in _regex_elements(pattern)
+    )
 
 
 def without_lookaround(pattern: str) -> str | None:
@@ -220,54 +234,21 @@ def without_lookaround(pattern: str) -> str | None:
     narrows what matches, so the result matches a superset, the closest regular pattern. None if the pattern has
     backreferences (no such superset is simple) or cannot be read."""
     out: list[str] = []
-    i, n, in_class = 0, len(pattern), False
-    while i < n:
-        c = pattern[i]
-        if c == "\\":
-            if not in_class and pattern[i + 1 : i + 2] in tuple("123456789k"):
-                return None
-            out.append(pattern[i : i + 2])
-            i += 2
+    skip_to = -1  # inside a lookaround group being dropped, up to this index
+    depth = 0
+    for i, text, outside in _regex_elements(pattern):
+        if skip_to < 0 and outside and _backreference(text):
+            return None
+        if skip_to >= 0:  # inside a dropped group: find its closing parenthesis
+            if outside and text == "(":
+                depth += 1
+            elif outside and text == ")":
+                depth -= 1
+                if depth == 0:
+                    skip_to = -1
             continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            if pattern[i + 1 : i + 2] == "]":
-                out.append("[]")
-                i += 2
-                continue
-        elif c == "(" and (pattern[i + 2 : i + 3] in ("=", "!") or pattern[i + 2 : i + 4] in ("<=", "<!")):
-            if pattern[i + 1 : i + 2] == "?":
-                end = _group_end(pattern, i)
-                if end is None:
-                    return None
-                i = end + 1
-                continue
-        out.append(c)
-        i += 1
-    return "".join(out)
-
-
-def _group_end(pattern: str, start: int) -> int | None:
-    """The index of the ")" closing the group opened at `start`."""
-    depth, i, in_class = 0, start, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
+        if outside and _opens_lookaround(pattern, i):
+            skip_to, depth = i, 1
             continue
-        if in_class:
-            in_class = c != "]"
-        elif c == "[":
-            in_class = True
-            if pattern[i + 1 : i + 2] == "]":
-                i += 1
-        elif c == "(":
-            depth += 1
-        elif c == ")":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    return None
+        out.append(text)
+    return None if skip_to >= 0 else "".join(out)
