@@ -13,6 +13,7 @@ import random
 import torch
 
 from gramserve.grammar.backends import GrammarOptions
+from gramserve.grammar.json_shape import ITEM_CHARS, ITEM_SPAN, STALL_SPAN, JsonShape, JsonTokens
 from gramserve.grammar.loop_guard import MAX_DIGIT_RUN, MIN_SPAN, DigitTokens, LoopGuard
 from gramserve.grammar.service import GrammarService, ban_tokens
 from gramserve.messages import GrammarCompileReq, GrammarRequest, GrammarStepReq
@@ -183,9 +184,7 @@ def test_a_stalled_string_may_only_close(tokenizer):
     cut at max_tokens): once a JSON string's last STALL_SPAN tokens hold at most STALL_DISTINCT distinct ones, the
     next token must close it where the grammar allows that; a string of natural text, escaped quotes and a bounded
     pattern are left alone."""
-    from gramserve.grammar.loop_guard import STALL_SPAN, StringTokens
-
-    strings = StringTokens.of(tokenizer, len(tokenizer))
+    strings = JsonTokens.of(tokenizer, len(tokenizer))
     rng = random.Random(5)
     parts = ["Fleet", "App", "Server", "Client", "-", "nj", "LINUX", "_"]
     junk = "".join(rng.choice(parts) for _ in range(120))
@@ -194,11 +193,11 @@ def test_a_stalled_string_may_only_close(tokenizer):
     stalled = []
     for i, t in enumerate(tokens):
         guard.accept(t)
-        stalled.append(guard.string_stalled())
+        stalled.append(guard.narrowing()[0] is strings.string_closers)
     first = stalled.index(True)
     assert STALL_SPAN <= first < STALL_SPAN + 8 and all(stalled[first:])
     guard.accept(tokenizer.encode('"', add_special_tokens=False)[0])  # closed: nothing to watch
-    assert not guard.string_stalled()
+    assert guard.narrowing() == (None, None)
 
     prose = (
         "Deploys the checkout service to the staging cluster every weekday morning, after the integration tests "
@@ -208,7 +207,7 @@ def test_a_stalled_string_may_only_close(tokenizer):
     guard = LoopGuard(None, strings)
     for t in tokenizer.encode('{"note": "' + prose, add_special_tokens=False):
         guard.accept(t)
-        assert not guard.string_stalled()
+        assert guard.narrowing() == (None, None)
 
     bitmask = allocate_bitmask(2, len(tokenizer))
     svc = GrammarService(
@@ -226,7 +225,83 @@ def test_a_stalled_string_may_only_close(tokenizer):
             svc.step(GrammarStepReq(i, [("free", t), ("long", t)], [("free", 0), ("long", 1)], []))
         row = bitmask[0].numpy().view("uint32")
         assert allowed(bitmask, 0, quote) and not allowed(bitmask, 0, tokens[-1])
-        assert all((int(row[t >> 5]) >> (t & 31)) & 1 == 0 or t in strings.marks for t in range(len(tokenizer)))
+        assert all((int(row[t >> 5]) >> (t & 31)) & 1 == 0 or '"' in strings.texts[t] for t in range(len(tokenizer)))
         assert allowed(bitmask, 1, tokens[-1]) and not allowed(bitmask, 1, quote)  # 1,000 characters first
+    finally:
+        svc.close()
+
+
+def shape_of(tokenizer, json_tokens: JsonTokens, text: str) -> list[bool]:
+    """Feed `text` to a JsonShape token by token: after each token, is the innermost container stalled?"""
+    shape = JsonShape(json_tokens)
+    out = []
+    for t in tokenizer.encode(text, add_special_tokens=False):
+        shape.accept(t)
+        out.append(shape.container_stalled())
+    return out
+
+
+def test_repeating_array_items_and_repeated_keys_stall_their_container(tokenizer):
+    """Held-out outputs cut at max_tokens: the same tag object again and again with the newlines between items
+    changing (no exact token loop), two strings in turn, a key twice in one map. Data that repeats (numbers, a few
+    equal labels, records that differ) and escaped quotes are left alone."""
+    json_tokens = JsonTokens.of(tokenizer, len(tokenizer))
+    item = '{"Key": "1234567890", "Value": "1234567890"}'  # 41 characters without the spaces: 3 copies will do
+    assert 3 * len(item.replace(" ", "")) >= ITEM_CHARS
+    seps = [",\n", " ,\n", ",\n\n", ", "]
+    tags = '{"Tags": [' + "".join(item + seps[i] for i in range(2)) + item
+    stalled = shape_of(tokenizer, json_tokens, tags)
+    assert not any(stalled[:-1]) and stalled[-1]  # from the closing brace of the third copy on
+    assert not shape_of(tokenizer, json_tokens, tags + ",\n" + item[:12])[-1]  # inside an item: it decides
+    short = "[" + ", ".join(['"EventCategories,"', '","'] * (ITEM_SPAN // 2))  # short items: ITEM_SPAN of them
+    stalled = shape_of(tokenizer, json_tokens, short)
+    assert stalled[-1] and not any(shape_of(tokenizer, json_tokens, short[: short.rindex(",")]))
+    assert shape_of(tokenizer, json_tokens, '{"m": {"v1beta1": "a", "x": "b", "v1beta1": "c"')[-1]
+
+    leave = [
+        '{"n": [' + ", ".join(["0"] * 40) + "]",
+        '{"l": [' + ", ".join(['"positive"'] * (ITEM_SPAN - 1)) + ', "neutral", "positive"',
+        "[" + ", ".join('{"sku": "A-%d", "qty": %d}' % (1000 + i, i % 3) for i in range(30)),
+        '{"s": "a \\" b", "t": ["x\\\\", "x\\"", "[", "]", "{", "}"',
+    ]
+    for text in leave:
+        assert not any(shape_of(tokenizer, json_tokens, text)), text
+
+
+def test_the_service_closes_a_stalled_array_where_the_grammar_allows(tokenizer):
+    """Through the grammar service (llguidance): once the array's items repeat, the next mask after an item keeps
+    only tokens that close it; with minItems not yet met the grammar decides, and the array goes on."""
+    bitmask = allocate_bitmask(2, len(tokenizer))
+    svc = GrammarService(
+        tokenizer, len(tokenizer), [EOS], GrammarOptions(loop_guard=True), bitmask, fill_threads=0, compile_timeout_s=30
+    )
+    tag = {"type": "object", "properties": {"Key": {"type": "string"}, "Value": {"type": "string"}}}
+    free = {"type": "object", "properties": {"Tags": {"type": "array", "items": tag}}, "required": ["Tags"]}
+    many = {"type": "object", "properties": {"Tags": {"type": "array", "items": tag, "minItems": 20}}}
+    close = tokenizer.convert_tokens_to_ids("]")
+    comma = tokenizer.convert_tokens_to_ids(",")
+    try:
+        svc.submit(GrammarCompileReq("free", GrammarRequest("json_schema", json.dumps(free))))
+        svc.submit(GrammarCompileReq("many", GrammarRequest("json_schema", json.dumps(many))))
+        assert all(r.error is None for r in collect(svc, {"free", "many"}).values())
+        item = '{"Key": "1234567890", "Value": "1234567890"}'
+        text = '{"Tags": [' + ", ".join([item] * 3)
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        for i, t in enumerate(tokens):
+            reply = svc.step(GrammarStepReq(i, [("free", t), ("many", t)], [("free", 0), ("many", 1)], []))
+        assert reply.loop_bans == 1
+        assert allowed(bitmask, 0, close) and not allowed(bitmask, 0, comma)
+        row = bitmask[0].numpy().view("uint32")
+        kept = [t for t in range(len(tokenizer)) if (int(row[t >> 5]) >> (t & 31)) & 1]
+        assert kept and all(svc.json_tokens.texts[t].lstrip()[:1] == "]" for t in kept)
+        assert allowed(bitmask, 1, comma) and not allowed(bitmask, 1, close)  # 20 items first
+
+        # the model ends items with '"},' (one token): in the next item, those are dropped, so it can be the last
+        last = tokenizer.encode(',\n{"Key": "1234567890", "Value": "1234', add_special_tokens=False)
+        for i, t in enumerate(last, len(tokens)):
+            reply = svc.step(GrammarStepReq(i, [("free", t), ("many", t)], [("free", 0), ("many", 1)], []))
+        quote_brace_comma, quote_brace = tokenizer.convert_tokens_to_ids(['"},', '"}'])
+        assert not allowed(bitmask, 0, quote_brace_comma) and allowed(bitmask, 0, quote_brace)
+        assert allowed(bitmask, 1, quote_brace)  # (the guard does not know the minItems: it drops them there too)
     finally:
         svc.close()

@@ -16,17 +16,16 @@ allowed next. Greedy small models wander in digit strings that never repeat exac
 about a fifth of the outputs still cut at max_tokens in issue 19's CPU sample); no real value needs that many
 digits in a row (a 64-bit integer has 20), and where the grammar allows nothing but digits, it still decides.
 
-And it ends strings that stall: a JSON string whose last ``STALL_SPAN`` tokens hold at most ``STALL_DISTINCT``
-distinct ones (``"FleetAppServerClientFleetFleetAppServer..."``, ``"nj-nj-jnjn-nj-jnjj..."``: near-loops that never
-repeat exactly, the most common way outputs still ran to max_tokens on held-out schemas) may continue only with a
-token that closes it, where the grammar allows one. Natural text has about 40 distinct tokens in 48.
+And with the shape of the output (``grammar/json_shape.py``) it ends strings that stall (a near-loop of a few
+distinct tokens), arrays whose items repeat, and objects that repeat a key: the next mask keeps only the tokens
+that close them, where the grammar allows one.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
 import numpy as np
+
+from gramserve.grammar.json_shape import JsonShape, JsonTokens
 
 MAX_PERIOD = 32  # longest loop (in tokens) recognised
 MIN_SPAN = 16  # a loop is this many tokens of one repeated period ...
@@ -34,8 +33,6 @@ MIN_REPEATS = 3  # ... and at least this many whole periods
 MIN_CONTEXT = 4  # a remembered ban matches at least this many preceding tokens
 MAX_DIGIT_RUN = 32  # digits in a row past which the next token may not be a digit
 MAX_COUNTED_DIGITS = 18  # longer numbers are not read as a counter (int() of thousands of digits is slow, or refused)
-STALL_SPAN = 48  # a string's latest tokens looked at ...
-STALL_DISTINCT = 16  # ... and at most this many distinct ones among them is a stalled string
 
 
 # run + p >= these (index p - 1): the latest tokens repeat period p over MIN_SPAN tokens and MIN_REPEATS periods
@@ -62,39 +59,6 @@ class DigitTokens:
         texts = {i: t for t, i in vocab.items() if t.isascii() and t.isdigit()}
         # ASCII letters only: a byte-level vocabulary writes a leading space as the letter "Ġ"
         return cls(texts, frozenset(i for t, i in vocab.items() if any(c.isascii() and c.isalpha() for c in t)))
-
-
-class StringTokens:
-    """Where JSON strings open and close in a token stream: each token's quotes and backslashes, and a bitmask of
-    the tokens that hold an unescaped quote (the ones that can close a string)."""
-
-    __slots__ = ("marks", "closers")
-
-    def __init__(self, marks: dict[int, str], vocab_size: int):
-        self.marks = marks  # token id -> its text, for the tokens that hold a '"' or a '\\'
-        words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)
-        for token, text in marks.items():
-            if _closes(text) and token < vocab_size:
-                words[token >> 5] |= np.uint32(1 << (token & 31))
-        self.closers = words
-
-    @classmethod
-    def of(cls, tokenizer, vocab_size: int) -> "StringTokens":
-        marks = {token: text for text, token in tokenizer.get_vocab().items() if '"' in text or "\\" in text}
-        return cls(marks, vocab_size)
-
-
-def _closes(text: str) -> bool:
-    """Does a token with this text close a string it starts inside (no escape pending)?"""
-    escaped = False
-    for c in text:
-        if escaped:
-            escaped = False
-        elif c == "\\":
-            escaped = True
-        elif c == '"':
-            return True
-    return False
 
 
 DIGITS = -1  # one run of digit tokens, as one item of a guard's counting sequence
@@ -156,21 +120,20 @@ class LoopGuard:
     one item (counting loops: ``"map49": {"map50": {...``, where only numbers change from period to period, every one
     of them upwards, and the period holds a word)."""
 
-    __slots__ = ("_tokens", "_counting", "_digits", "_digit_run", "_strings", "_in_string", "_escaped", "_window")
+    __slots__ = ("_tokens", "_counting", "_digits", "_digit_run", "_json", "_shape")
 
-    def __init__(self, digits: DigitTokens | None = None, strings: StringTokens | None = None) -> None:
+    def __init__(self, digits: DigitTokens | None = None, json: JsonTokens | None = None) -> None:
         self._tokens = _Periods()
         self._counting = _Periods() if digits is not None else None
         self._digits = digits  # None: no counting loops, digit runs not bounded
         self._digit_run = 0  # digits in a row at the end of the output
-        self._strings = strings  # None: stalled strings not watched
-        self._in_string = self._escaped = False
-        self._window: deque[int] = deque(maxlen=STALL_SPAN)  # the open string's latest tokens
+        self._json = json
+        self._shape = JsonShape(json) if json is not None else None  # None: stalled strings, arrays not watched
 
     def accept(self, token: int) -> None:
         self._tokens.push(token)
-        if self._strings is not None:
-            self._follow_strings(token)
+        if self._shape is not None:
+            self._shape.accept(token)
         if self._digits is None:
             return
         digits = self._digits.texts.get(token)
@@ -210,26 +173,20 @@ class LoopGuard:
             out |= self._digits.ids
         return out or _NOTHING
 
-    def string_stalled(self) -> bool:
-        """Is the output inside a string whose latest STALL_SPAN tokens hold at most STALL_DISTINCT distinct ones?"""
-        window = self._window
-        return self._in_string and len(window) == STALL_SPAN and len(set(window)) <= STALL_DISTINCT
-
-    def _follow_strings(self, token: int) -> None:
-        text = self._strings.marks.get(token)
-        if text is None:
-            self._escaped = False  # the escape, if one was pending, took this token's first character
-        else:
-            for c in text:
-                if self._escaped:
-                    self._escaped = False
-                elif c == "\\" and self._in_string:
-                    self._escaped = True
-                elif c == '"':
-                    self._in_string = not self._in_string
-                    self._window.clear()
-        if self._in_string:
-            self._window.append(token)
+    def narrowing(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Bitmasks for the next mask (json_shape.py): the tokens to keep only (those that close a stalled string,
+        or a stalled array or object), and the tokens to drop (those that would end the last item of a stalled
+        container and write a comma in one token). None: not narrowed that way."""
+        shape = self._shape
+        if shape is None:
+            return None, None
+        keep = None
+        if shape.string_stalled():
+            keep = self._json.string_closers
+        elif shape.container_stalled():
+            keep = self._json.container_closers
+        drop = self._json.end_and_comma if shape.last_item_of_stalled() else None
+        return keep, drop
 
     def _counts_up(self, p: int) -> bool:
         """The last three periods of the counting sequence: some numbers change, each by the same positive step both

@@ -44,7 +44,8 @@ from gramserve.grammar.compile_process import (
 )
 from gramserve.grammar.fill import FillPool, fill_rows
 from gramserve.grammar.fill_probe import probe_fill_us
-from gramserve.grammar.loop_guard import DigitTokens, LoopGuard, StringTokens
+from gramserve.grammar.json_shape import JsonTokens
+from gramserve.grammar.loop_guard import DigitTokens, LoopGuard
 from gramserve.grammar.schema_relax import dropped_keywords, relaxable
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
 
@@ -72,7 +73,7 @@ MAX_CHALLENGERS = 8
 IDLE_S = 0.5
 # The kinds whose outputs the loop guard watches (JSON; a regex or EBNF may mean its repetitions).
 LOOP_GUARDED_KINDS = ("json_schema", "json_object", "structural_tag")
-STRING_WATCHED_KINDS = ("json_schema", "json_object")
+SHAPE_WATCHED_KINDS = ("json_schema", "json_object")
 
 
 @dataclass
@@ -155,7 +156,7 @@ class GrammarService:
         self.matchers: dict[str, Matcher] = {}
         self.loop_guards: dict[str, LoopGuard] = {}  # rid -> its guard (options.loop_guard, JSON kinds)
         self.digit_tokens = DigitTokens.of(tokenizer) if options.loop_guard else None
-        self.string_tokens = StringTokens.of(tokenizer, vocab_size) if options.loop_guard else None
+        self.json_tokens = JsonTokens.of(tokenizer, vocab_size) if options.loop_guard else None
         self.pending: dict[tuple[str, str, str], _Flight] = {}  # compiles in flight, by key
         self._flight_of: dict[str, _Flight] = {}  # rid -> its flight
         self.compile_threads = compile_threads
@@ -338,9 +339,9 @@ class GrammarService:
         try:
             self.matchers[rid] = self.backend(backend).matcher(compiled)
             if self.options.loop_guard and kind in LOOP_GUARDED_KINDS:
-                # stalled strings are watched in whole-JSON outputs (a tool-call grammar has free text around)
-                strings = self.string_tokens if kind in STRING_WATCHED_KINDS else None
-                self.loop_guards[rid] = LoopGuard(self.digit_tokens, strings)
+                # the JSON's shape is followed in whole-JSON outputs (a tool-call grammar has free text around)
+                shape = self.json_tokens if kind in SHAPE_WATCHED_KINDS else None
+                self.loop_guards[rid] = LoopGuard(self.digit_tokens, shape)
         except Exception as exc:  # noqa: BLE001 - a backend bug must not take the process down
             logger.exception("matcher creation failed")
             return GrammarCompileResp(rid, None, f"{backend}: cannot create a matcher: {exc}")
@@ -531,8 +532,11 @@ class GrammarService:
                     continue
                 if banned := guard.banned():
                     loop_bans += ban_tokens(self.bitmask[row], banned)
-                if guard.string_stalled():
-                    loop_bans += keep_only(self.bitmask[row], self.string_tokens.closers)
+                keep, drop = guard.narrowing()
+                if keep is not None:
+                    loop_bans += keep_only(self.bitmask[row], keep)
+                if drop is not None:
+                    loop_bans += drop_tokens(self.bitmask[row], drop)
         failed = {rid: why for rid, (m, _) in zip(rids, rows) if (why := m.error())}
         ms = (time.perf_counter() - t0) * 1e3
         return GrammarStepResp(req.step, rejected, ms, failed=failed, loop_bans=loop_bans)
@@ -576,6 +580,20 @@ def keep_only(row: torch.Tensor, allowed: np.ndarray) -> int:
         return 0  # the grammar allows no closing token here (a minLength, a pattern): it decides
     words[:n] = narrowed
     words[n:] = 0
+    return 1
+
+
+def drop_tokens(row: torch.Tensor, dropped: np.ndarray) -> int:
+    """Clear the `dropped` bits from one int32 bitmask row, unless no token would be left; 1 if any was cleared."""
+    words = row.numpy().view(np.uint32)
+    n = min(words.shape[0], dropped.shape[0])
+    hit = words[:n] & dropped[:n]
+    if not hit.any():
+        return 0
+    left = words[:n] & ~dropped[:n]
+    if not left.any() and not words[n:].any():
+        return 0  # every allowed token ends the item with a comma: the grammar decides
+    words[:n] = left
     return 1
 
 

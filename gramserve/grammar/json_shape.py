@@ -1,0 +1,208 @@
+"""Follows the shape of a JSON output token by token, for the loop guard: is it inside a string, and which arrays
+and objects are open around it; and notices two ways a small model stalls in them.
+
+- A **stalled string**: the open string's last ``STALL_SPAN`` tokens hold at most ``STALL_DISTINCT`` distinct ones
+  (``"FleetAppServerClientFleetFleetAppServer..."``, ``"nj-nj-jnjn-nj-jnjj..."``). Natural text has about 40
+  distinct tokens in 48.
+- A **stalled container**: an array whose latest items (strings, objects or arrays, compared without the whitespace
+  between tokens) repeat with a period of at most ``ITEM_PERIOD`` items over ``ITEM_SPAN`` items (or three periods
+  of at least ``ITEM_CHARS`` characters)
+  (``{"Key": "1234567890", "Value": "1234567890"}, {...}`` again and again, with the newlines between them changing,
+  which is why the token loops miss them), or an object in which a key came twice (``"v1beta1": ..., "v1beta1":``).
+  Numbers and literals are never counted: ``[0, 0, 0, 0, 0, 0]`` is data.
+
+The guard then narrows the next mask to the tokens that close the string, or the container (where the grammar allows
+one), so every output stays inside its grammar. A model writes an item's end and the comma after it as one token
+(``},``, ``",\n``) more often than not, which would leave no point between the two to close at: while the last item
+of a stalled container is written, those tokens are dropped from the mask.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+
+import numpy as np
+
+STALL_SPAN = 48  # a string's latest tokens looked at ...
+STALL_DISTINCT = 16  # ... and at most this many distinct ones among them is a stalled string
+ITEM_PERIOD = 3  # longest period (in items) of a repeating array
+ITEM_SPAN = 6  # items an array repeats over (and at least 3 periods) before it is stalled ...
+ITEM_CHARS = 96  # ... or fewer items, at least 3 periods, that hold this many characters (3 copies of a long item)
+
+# byte-level BPE writes a space, newline, tab and carriage return as these letters; SentencePiece writes a space as ▁
+_READABLE = str.maketrans({"Ġ": " ", "Ċ": "\n", "ĉ": "\t", "č": "\r", "▁": " "})
+_WHITESPACE = frozenset(" \n\t\r")
+_END_AND_COMMA = re.compile(r'["}\]]\s*,')  # a token that ends a value and writes the comma after it
+
+
+class JsonTokens:
+    """A vocabulary as the follower reads it: each token's text, and bitmasks of the tokens that can close a string
+    (an unescaped quote) and of those that close an array or object (``]`` or ``}`` after any whitespace)."""
+
+    __slots__ = ("texts", "string_closers", "container_closers", "end_and_comma")
+
+    def __init__(self, texts: list[str], vocab_size: int):
+        self.texts = texts  # token id -> its text ("" for ids the tokenizer does not name)
+        self.string_closers = _bitmask((i for i, t in enumerate(texts) if '"' in t and _closes(t)), vocab_size)
+        self.container_closers = _bitmask((i for i, t in enumerate(texts) if t.lstrip()[:1] in ("]", "}")), vocab_size)
+        self.end_and_comma = _bitmask((i for i, t in enumerate(texts) if _END_AND_COMMA.search(t)), vocab_size)
+
+    @classmethod
+    def of(cls, tokenizer, vocab_size: int) -> "JsonTokens":
+        texts = [""] * vocab_size
+        for text, token in tokenizer.get_vocab().items():
+            if token < vocab_size:
+                texts[token] = text.translate(_READABLE)
+        return cls(texts, vocab_size)
+
+
+def _bitmask(tokens, vocab_size: int) -> np.ndarray:
+    words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)
+    for token in tokens:
+        words[token >> 5] |= np.uint32(1 << (token & 31))
+    return words
+
+
+def _closes(text: str) -> bool:
+    """Does a token with this text close a string it starts inside (no escape pending)?"""
+    escaped = False
+    for c in text:
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c == '"':
+            return True
+    return False
+
+
+class _Open:
+    """One open array or object: where its current item (or key) began in the follower's text, and what came
+    before in it."""
+
+    __slots__ = ("array", "start", "done", "items", "keys", "key_start", "expect_key", "stalled")
+
+    def __init__(self, array: bool, start: int):
+        self.array = array
+        self.start = start  # arrays: the current item's first character in JsonShape.chars
+        self.done = False  # arrays: the current item (a string, array or object) is complete
+        self.items: list[str] = []  # arrays: the latest items (at most 3 * ITEM_PERIOD)
+        self.keys: set[str] = set()  # objects: the keys so far
+        self.key_start = -1  # objects: where the key being read began (-1: not in a key)
+        self.expect_key = not array
+        self.stalled = False
+
+
+class JsonShape:
+    """The shape of one JSON output so far: feed it each accepted token. Its text (``chars``) is the output without
+    the whitespace outside strings."""
+
+    __slots__ = ("_texts", "chars", "_open", "in_string", "_escaped", "_window")
+
+    def __init__(self, tokens: JsonTokens):
+        self._texts = tokens.texts
+        self.chars: list[str] = []
+        self._open: list[_Open] = []
+        self.in_string = False
+        self._escaped = False
+        self._window: deque[int] = deque(maxlen=STALL_SPAN)  # the open string's latest tokens
+
+    def accept(self, token: int) -> None:
+        text = self._texts[token] if 0 <= token < len(self._texts) else ""
+        if self.in_string and not self._escaped and '"' not in text and "\\" not in text:
+            self.chars.extend(text)  # the common case inside a string: nothing changes but the text
+        else:
+            for c in text:
+                self._read(c)
+        if self.in_string:
+            self._window.append(token)
+
+    def string_stalled(self) -> bool:
+        window = self._window
+        return self.in_string and len(window) == STALL_SPAN and len(set(window)) <= STALL_DISTINCT
+
+    def container_stalled(self) -> bool:
+        """Is the innermost open container stalled, with the output outside any string in it?"""
+        return not self.in_string and bool(self._open) and self._open[-1].stalled
+
+    def last_item_of_stalled(self) -> bool:
+        """Is the output writing an item (or a member's value) of a stalled container: in a string directly in it,
+        or in an array or object directly in it?"""
+        opened = self._open
+        return (self.in_string and bool(opened) and opened[-1].stalled) or (len(opened) > 1 and opened[-2].stalled)
+
+    def _read(self, c: str) -> None:
+        chars = self.chars
+        if self.in_string:
+            chars.append(c)
+            if self._escaped:
+                self._escaped = False
+            elif c == "\\":
+                self._escaped = True
+            elif c == '"':
+                self.in_string = False
+                self._window.clear()
+                self._string_closed()
+            return
+        if c in _WHITESPACE:
+            return
+        top = self._open[-1] if self._open else None
+        if c == '"':
+            if top is not None and top.expect_key:
+                top.key_start = len(chars)
+            self.in_string = True
+            self._window.clear()
+        elif c in "[{":
+            self._open.append(_Open(c == "[", len(chars) + 1))
+        elif c in "]}":
+            if top is not None:
+                self._open.pop()
+                if self._open and self._open[-1].array:
+                    chars.append(c)
+                    self._item_done(self._open[-1])
+                    return
+        elif c == "," and top is not None:
+            if top.array:
+                if not top.done:
+                    self._item_done(top)
+                top.start = len(chars) + 1
+                top.done = False
+            else:
+                top.expect_key = True
+        chars.append(c)
+
+    def _string_closed(self) -> None:
+        top = self._open[-1] if self._open else None
+        if top is None:
+            return
+        if top.array:
+            self._item_done(top)
+            return
+        if top.key_start < 0:
+            return
+        key = "".join(self.chars[top.key_start :])
+        if key in top.keys:
+            top.stalled = True  # a key twice in one object: no schema wants that
+        top.keys.add(key)
+        top.key_start = -1
+        top.expect_key = False
+
+    def _item_done(self, top: _Open) -> None:
+        """An item of `top` is complete: a string, array or object at its closing character, others at the comma."""
+        top.done = True
+        item = "".join(self.chars[top.start :])
+        items = top.items
+        if not item or item[0] not in '"[{':
+            items.clear()  # numbers and literals repeat in real data
+            return
+        items.append(item)
+        if len(items) > 3 * ITEM_PERIOD:
+            del items[0]
+        for p in range(1, ITEM_PERIOD + 1):
+            if len(items) < 3 * p:
+                break
+            span = 3 * p if sum(map(len, items[-3 * p :])) >= ITEM_CHARS else max(ITEM_SPAN, 3 * p)
+            if len(items) >= span and all(items[-i] == items[-i - p] for i in range(1, span - p + 1)):
+                top.stalled = True
+                return
