@@ -320,3 +320,42 @@ def test_a_schema_with_patterns_that_relaxing_cannot_help_is_refused_with_the_ex
     finally:
         svc.close()
     assert error and "llguidance" in error and "nothing to relax" not in error
+
+
+def test_unanchored_patterns_match_from_the_start_on_llguidance(tokenizer):
+    """llguidance searches for a pattern anywhere in the string (as the spec says), so a model could write junk
+    before it forever: an unanchored pattern must match from the start there (a subset: outputs stay valid).
+    Patterns anchored at either end, with inline flags, or under allOf stay as they are; xgrammar is left alone."""
+    from test_grammar_corpus import accepts, get_backend
+
+    from gramserve.grammar.compile_process import compile_grammar
+    from gramserve.grammar.schema_normalize import anchor_patterns
+    from gramserve.messages import GrammarRequest
+
+    uuid = "[a-f0-9]{8}-[a-f0-9]{4}-[a-f0-9]{4}"
+    schema = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "pattern": uuid},
+            "ext": {"type": "string", "pattern": "\\.json$"},
+            "word": {"type": "string", "pattern": "^[a-z]+"},
+            "any": {"type": "string", "pattern": "(?i)abc"},
+        },
+        "required": ["id"],
+    }
+    props = anchor_patterns(schema)["properties"]
+    assert props["id"]["pattern"] == f"^(?:{uuid})" and schema["properties"]["id"]["pattern"] == uuid
+    assert [props[k]["pattern"] for k in ("ext", "word", "any")] == ["\\.json$", "^[a-z]+", "(?i)abc"]
+    both = {"allOf": [{"type": "string", "pattern": "a"}, {"pattern": "b"}]}
+    assert anchor_patterns(both) is both
+
+    text = json.dumps(schema)
+    for backend in ("llguidance", "xgrammar"):  # xgrammar matches the whole string already
+        b = get_backend(tokenizer, backend)
+        compiled = compile_grammar(b, GrammarRequest("json_schema", text, backend))
+        assert accepts(b, compiled, json.dumps({"id": "0123abcd-0000-ffff"}), tokenizer, check_mask=False), backend
+        junk_first = json.dumps({"id": "xx0123abcd-0000-ffff"})
+        assert not accepts(b, compiled, junk_first, tokenizer, check_mask=False), backend
+    b = get_backend(tokenizer, "llguidance")
+    compiled = compile_grammar(b, GrammarRequest("json_schema", text, "llguidance"))
+    assert accepts(b, compiled, json.dumps({"id": "0123abcd-0000-ffff and more"}), tokenizer, check_mask=False)

@@ -43,6 +43,7 @@ from gramserve.grammar.backends.base import GrammarBackend, GrammarCompileError,
 from gramserve.grammar.disk_cache import PERSISTED_BACKENDS, DiskCache, backend_fingerprint
 from gramserve.grammar.schema_audit import beyond_regular, unenforced
 from gramserve.grammar.schema_normalize import (
+    anchor_patterns,
     bound_unbounded,
     drop_ref_annotations,
     hoist_deep_refs,
@@ -71,9 +72,9 @@ def compile_grammar(backend: GrammarBackend, grammar: GrammarRequest, relaxed: b
     The JSON schemas inside a structural tag (tool-call arguments) are normalized, audited and relaxed alike."""
     text = grammar.text
     if grammar.kind == "json_schema":
-        text = _normalized_schema(text, backend.options, relaxed)
+        text = _normalized_schema(text, backend, relaxed)
     elif grammar.kind == "structural_tag":
-        text = _normalized_tag(text, backend.options, relaxed)
+        text = _normalized_tag(text, backend, relaxed)
     error = audit_error(backend.name, GrammarRequest(grammar.kind, text, grammar.backend))
     if error:
         raise GrammarCompileError(error)
@@ -99,19 +100,19 @@ def audit_error(backend_name: str, grammar: GrammarRequest) -> str | None:
     return None
 
 
-def _normalized_schema(text: str, options: GrammarOptions, relaxed: bool) -> str:
+def _normalized_schema(text: str, backend: GrammarBackend, relaxed: bool) -> str:
     """The schema text as compiled, parsed once (see `_normalized`)."""
     try:
         schema = json.loads(text)
     except ValueError:
         return text  # the backend reports the syntax error
-    rewritten, dropped = _normalized(schema, options, relaxed)
+    rewritten, dropped = _normalized(schema, backend, relaxed)
     if relaxed and not dropped:
         raise GrammarCompileError(NOTHING_TO_RELAX)  # the exact compile already failed for another reason
     return text if rewritten is schema else json.dumps(rewritten)
 
 
-def _normalized_tag(text: str, options: GrammarOptions, relaxed: bool) -> str:
+def _normalized_tag(text: str, backend: GrammarBackend, relaxed: bool) -> str:
     """The structural tag as compiled: each of its JSON schemas as `_normalized_schema` makes it."""
     try:
         tag = normalize_tag(text)
@@ -120,7 +121,7 @@ def _normalized_tag(text: str, options: GrammarOptions, relaxed: bool) -> str:
     dropped_any: list[str] = []
 
     def one(schema: dict) -> dict:
-        rewritten, dropped = _normalized(schema, options, relaxed)
+        rewritten, dropped = _normalized(schema, backend, relaxed)
         dropped_any.extend(dropped)
         return rewritten
 
@@ -130,17 +131,22 @@ def _normalized_tag(text: str, options: GrammarOptions, relaxed: bool) -> str:
     return json.dumps(tag)
 
 
-def _normalized(schema: object, options: GrammarOptions, relaxed: bool) -> tuple[object, list[str]]:
+def _normalized(schema: object, backend: GrammarBackend, relaxed: bool) -> tuple[object, list[str]]:
     """Annotations beside references dropped (drop_ref_annotations), references into rewritten keywords pointed at
     copies (hoist_deep_refs), `not` stated positively where it can be (rewrite_not), counts written as floats made
     ints (integral_counts), unbounded strings and arrays bounded if the server asks (bound_unbounded), and with
-    `relaxed` what no grammar enforces taken out (schema_relax.relax); returns the schema (the same object if
+    `relaxed` what no grammar enforces taken out (schema_relax.relax); then, for a backend that searches for
+    patterns, unanchored patterns anchored at the start (anchor_patterns). Returns the schema (the same object if
     unchanged) and what was dropped."""
+    options = backend.options
     rewritten = integral_counts(rewrite_not(hoist_deep_refs(drop_ref_annotations(schema))))
     rewritten = bound_unbounded(rewritten, options.max_string_length, options.max_array_items)
-    if not relaxed:
-        return rewritten, []
-    return relax(rewritten)
+    dropped: list[str] = []
+    if relaxed:
+        rewritten, dropped = relax(rewritten)
+    if backend.searches_patterns:
+        rewritten = anchor_patterns(rewritten)
+    return rewritten, dropped
 
 
 @dataclass

@@ -164,6 +164,35 @@ def bound_unbounded(schema: Any, max_length: int | None, max_items: int | None) 
     return out
 
 
+def anchor_patterns(schema: Any) -> Any:
+    r"""A copy of `schema` in which a string `pattern` with no anchor at either end must match from the string's
+    start (``P`` -> ``^(?:P)``): for backends that search for the pattern anywhere, as the spec says. Without this
+    a model writes junk until it happens on the pattern, or never does (``"1234567890000.0.0.0.1234..."`` for an
+    unanchored UUID pattern ran to max_tokens). Every string that matches from its start also contains a match: a
+    subset of the schema's language, so outputs stay valid. Left alone: patterns that end with ``$`` (``\.json$``
+    would become the string ".json"), that start with inline flags, and schemas with allOf (two patterns on one
+    string, each anchored, might admit nothing)."""
+    if not isinstance(schema, dict):
+        return schema
+    nodes = list(_subschemas(schema))
+    if not any(_unanchored(node.get("pattern")) for node in nodes) or any("allOf" in node for node in nodes):
+        return schema
+    out = copy.deepcopy(schema)
+    for node in _subschemas(out):
+        if _unanchored(pattern := node.get("pattern")):
+            node["pattern"] = f"^(?:{pattern})"
+    return out
+
+
+def _unanchored(pattern: Any) -> bool:
+    return (
+        isinstance(pattern, str)
+        and pattern != ""
+        and not pattern.startswith(("^", "(?", "\\A"))
+        and not pattern.endswith("$")
+    )
+
+
 # Keywords whose value JSON Schema requires to be a non-negative integer; 2.0 is one (a number with a zero fraction).
 INTEGER_KEYWORDS = (
     "minLength",

@@ -132,6 +132,8 @@ class Matcher(ABC):
 
 class GrammarBackend(ABC):
     name: str = "base"
+    # A JSON schema `pattern` matches anywhere in the string, as the spec says (llguidance); others match it whole.
+    searches_patterns: bool = False
     # How many threads will fill rows of one compiled grammar at once (the grammar service sets it; see add_lanes).
     fill_lanes: int = 1
 

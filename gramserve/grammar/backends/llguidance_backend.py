@@ -194,6 +194,7 @@ TOKEN_SLICES = [
 
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
+    searches_patterns = True
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], options: GrammarOptions | None = None):
         super().__init__(tokenizer, vocab_size, eos_token_ids, options)
