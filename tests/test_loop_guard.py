@@ -285,10 +285,14 @@ def test_the_service_closes_a_stalled_array_where_the_grammar_allows(tokenizer):
         svc.submit(GrammarCompileReq("many", GrammarRequest("json_schema", json.dumps(many))))
         assert all(r.error is None for r in collect(svc, {"free", "many"}).values())
         item = '{"Key": "1234567890", "Value": "1234567890"}'
+        quote_brace_comma, quote_brace = tokenizer.convert_tokens_to_ids(['"},', '"}'])
         text = '{"Tags": [' + ", ".join([item] * 3)
         tokens = tokenizer.encode(text, add_special_tokens=False)
         for i, t in enumerate(tokens):
+            if t == quote_brace:  # the third copy's end: were it a copy, it could be the last; it is written apart
+                assert not allowed(bitmask, 0, quote_brace_comma) and allowed(bitmask, 0, quote_brace)
             reply = svc.step(GrammarStepReq(i, [("free", t), ("many", t)], [("free", 0), ("many", 1)], []))
+        assert quote_brace in tokens
         assert reply.loop_bans == 1
         assert allowed(bitmask, 0, close) and not allowed(bitmask, 0, comma)
         row = bitmask[0].numpy().view("uint32")
@@ -300,7 +304,6 @@ def test_the_service_closes_a_stalled_array_where_the_grammar_allows(tokenizer):
         last = tokenizer.encode(',\n{"Key": "1234567890", "Value": "1234', add_special_tokens=False)
         for i, t in enumerate(last, len(tokens)):
             reply = svc.step(GrammarStepReq(i, [("free", t), ("many", t)], [("free", 0), ("many", 1)], []))
-        quote_brace_comma, quote_brace = tokenizer.convert_tokens_to_ids(['"},', '"}'])
         assert not allowed(bitmask, 0, quote_brace_comma) and allowed(bitmask, 0, quote_brace)
         assert allowed(bitmask, 1, quote_brace)  # (the guard does not know the minItems: it drops them there too)
     finally:

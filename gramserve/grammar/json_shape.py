@@ -81,7 +81,7 @@ class _Open:
     """One open array or object: where its current item (or key) began in the follower's text, and what came
     before in it."""
 
-    __slots__ = ("array", "start", "done", "items", "keys", "key_start", "expect_key", "stalled")
+    __slots__ = ("array", "start", "done", "items", "keys", "key_start", "expect_key", "stalled", "primed")
 
     def __init__(self, array: bool, start: int):
         self.array = array
@@ -92,6 +92,7 @@ class _Open:
         self.key_start = -1  # objects: where the key being read began (-1: not in a key)
         self.expect_key = not array
         self.stalled = False
+        self.primed = False  # arrays: one more repeat of an earlier item would stall it
 
 
 class JsonShape:
@@ -127,10 +128,12 @@ class JsonShape:
         return not self.in_string and bool(self._open) and self._open[-1].stalled
 
     def last_item_of_stalled(self) -> bool:
-        """Is the output writing an item (or a member's value) of a stalled container: in a string directly in it,
-        or in an array or object directly in it?"""
+        """Is the output writing an item (or a member's value) of a stalled container, or an item that would stall
+        its array if it repeats an earlier one: in a string directly in it, or in an array or object directly in it?"""
         opened = self._open
-        return (self.in_string and bool(opened) and opened[-1].stalled) or (len(opened) > 1 and opened[-2].stalled)
+        if self.in_string and opened and (opened[-1].stalled or opened[-1].primed):
+            return True
+        return len(opened) > 1 and (opened[-2].stalled or opened[-2].primed)
 
     def _read(self, c: str) -> None:
         chars = self.chars
@@ -195,14 +198,25 @@ class JsonShape:
         items = top.items
         if not item or item[0] not in '"[{':
             items.clear()  # numbers and literals repeat in real data
+            top.stalled = top.primed = False
             return
         items.append(item)
         if len(items) > 3 * ITEM_PERIOD:
             del items[0]
-        for p in range(1, ITEM_PERIOD + 1):
-            if len(items) < 3 * p:
-                break
-            span = 3 * p if sum(map(len, items[-3 * p :])) >= ITEM_CHARS else max(ITEM_SPAN, 3 * p)
-            if len(items) >= span and all(items[-i] == items[-i - p] for i in range(1, span - p + 1)):
-                top.stalled = True
-                return
+        top.stalled = _repeating(items)
+        # would the next item stall it, were it a copy of the one p back?
+        top.primed = not top.stalled and any(
+            _repeating(items + [items[-p]]) for p in range(1, min(ITEM_PERIOD, len(items)) + 1)
+        )
+
+
+def _repeating(items: list[str]) -> bool:
+    """Do the latest items repeat with a period of at most ITEM_PERIOD, over ITEM_SPAN items or over three periods
+    of at least ITEM_CHARS characters?"""
+    for p in range(1, ITEM_PERIOD + 1):
+        if len(items) < 3 * p:
+            break
+        span = 3 * p if sum(map(len, items[-3 * p :])) >= ITEM_CHARS else max(ITEM_SPAN, 3 * p)
+        if len(items) >= span and all(items[-i] == items[-i - p] for i in range(1, span - p + 1)):
+            return True
+    return False
