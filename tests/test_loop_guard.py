@@ -267,6 +267,13 @@ def test_repeating_array_items_and_repeated_keys_stall_their_container(tokenizer
     for text in leave:
         assert not any(shape_of(tokenizer, json_tokens, text)), text
 
+    # a long output keeps only the text its open containers still need
+    shape = JsonShape(json_tokens)
+    records = "[" + ", ".join('{"id": %d, "note": "%s"}' % (i, "word " * (i % 50)) for i in range(1000)) + "]"
+    for t in tokenizer.encode('{"a": ' + records + ', "b": "' + "long text " * 3000, add_special_tokens=False):
+        shape.accept(t)
+    assert shape.base > 100_000 and len(shape.chars) < 3 * 4096
+
 
 def test_the_service_closes_a_stalled_array_where_the_grammar_allows(tokenizer):
     """Through the grammar service (llguidance): once the array's items repeat, the next mask after an item keeps

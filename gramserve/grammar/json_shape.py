@@ -29,6 +29,7 @@ STALL_DISTINCT = 16  # ... and at most this many distinct ones among them is a s
 ITEM_PERIOD = 3  # longest period (in items) of a repeating array
 ITEM_SPAN = 6  # items an array repeats over (and at least 3 periods) before it is stalled ...
 ITEM_CHARS = 96  # ... or fewer items, at least 3 periods, that hold this many characters (3 copies of a long item)
+_TRIM = 4096  # text no open container needs any more is dropped once it is this long
 
 # byte-level BPE writes a space, newline, tab and carriage return as these letters; SentencePiece writes a space as ▁
 _READABLE = str.maketrans({"Ġ": " ", "Ċ": "\n", "ĉ": "\t", "č": "\r", "▁": " "})
@@ -85,11 +86,11 @@ class _Open:
 
     def __init__(self, array: bool, start: int):
         self.array = array
-        self.start = start  # arrays: the current item's first character in JsonShape.chars
+        self.start = start  # arrays: where the current item's text begins (a JsonShape position)
         self.done = False  # arrays: the current item (a string, array or object) is complete
-        self.items: list[str] = []  # arrays: the latest items (at most 3 * ITEM_PERIOD)
-        self.keys: set[str] = set()  # objects: the keys so far
-        self.key_start = -1  # objects: where the key being read began (-1: not in a key)
+        self.items: list[tuple[int, int]] = []  # arrays: the latest items' (hash, length), at most 3 * ITEM_PERIOD
+        self.keys: set[int] = set()  # objects: the hashes of the keys so far
+        self.key_start = -1  # objects: where the key being read begins (-1: not in a key)
         self.expect_key = not array
         self.stalled = False
         self.primed = False  # arrays: one more repeat of an earlier item would stall it
@@ -97,13 +98,14 @@ class _Open:
 
 class JsonShape:
     """The shape of one JSON output so far: feed it each accepted token. Its text (``chars``) is the output without
-    the whitespace outside strings."""
+    the whitespace outside strings, from position ``base`` on (what no open container needs is dropped)."""
 
-    __slots__ = ("_texts", "chars", "_open", "in_string", "_escaped", "_window")
+    __slots__ = ("_texts", "chars", "base", "_open", "in_string", "_escaped", "_window")
 
     def __init__(self, tokens: JsonTokens):
         self._texts = tokens.texts
         self.chars: list[str] = []
+        self.base = 0  # the position of chars[0] in the whole text
         self._open: list[_Open] = []
         self.in_string = False
         self._escaped = False
@@ -118,6 +120,8 @@ class JsonShape:
                 self._read(c)
         if self.in_string:
             self._window.append(token)
+        if len(self.chars) > 2 * _TRIM:
+            self._trim()
 
     def string_stalled(self) -> bool:
         window = self._window
@@ -153,11 +157,11 @@ class JsonShape:
         top = self._open[-1] if self._open else None
         if c == '"':
             if top is not None and top.expect_key:
-                top.key_start = len(chars)
+                top.key_start = self.base + len(chars)
             self.in_string = True
             self._window.clear()
         elif c in "[{":
-            self._open.append(_Open(c == "[", len(chars) + 1))
+            self._open.append(_Open(c == "[", self.base + len(chars) + 1))
         elif c in "]}":
             if top is not None:
                 self._open.pop()
@@ -169,7 +173,7 @@ class JsonShape:
             if top.array:
                 if not top.done:
                     self._item_done(top)
-                top.start = len(chars) + 1
+                top.start = self.base + len(chars) + 1
                 top.done = False
             else:
                 top.expect_key = True
@@ -184,23 +188,25 @@ class JsonShape:
             return
         if top.key_start < 0:
             return
-        key = "".join(self.chars[top.key_start :])
+        key = hash("".join(self.chars[top.key_start - self.base :]))
         if key in top.keys:
             top.stalled = True  # a key twice in one object: no schema wants that
         top.keys.add(key)
         top.key_start = -1
+        self._trim()
         top.expect_key = False
 
     def _item_done(self, top: _Open) -> None:
         """An item of `top` is complete: a string, array or object at its closing character, others at the comma."""
         top.done = True
-        item = "".join(self.chars[top.start :])
+        item = "".join(self.chars[top.start - self.base :])
         items = top.items
+        self._trim()
         if not item or item[0] not in '"[{':
             items.clear()  # numbers and literals repeat in real data
             top.stalled = top.primed = False
             return
-        items.append(item)
+        items.append((hash(item), len(item)))
         if len(items) > 3 * ITEM_PERIOD:
             del items[0]
         top.stalled = _repeating(items)
@@ -209,14 +215,32 @@ class JsonShape:
             _repeating(items + [items[-p]]) for p in range(1, min(ITEM_PERIOD, len(items)) + 1)
         )
 
+    def _trim(self) -> None:
+        """Drop the text before the earliest position an open container still needs (an array's current item, an
+        object's key), once that is more than _TRIM characters."""
+        end = self.base + len(self.chars)
+        need = (
+            min((o.start if o.array else o.key_start if o.key_start >= 0 else end) for o in self._open)
+            if self._open
+            else end
+        )
+        if need - self.base > _TRIM:
+            del self.chars[: need - self.base]
+            self.base = need
 
-def _repeating(items: list[str]) -> bool:
-    """Do the latest items repeat with a period of at most ITEM_PERIOD, over ITEM_SPAN items or over three periods
-    of at least ITEM_CHARS characters?"""
+
+def _repeating(items: list[tuple[int, int]]) -> bool:
+    """Do the latest items repeat with a period of at most ITEM_PERIOD, over three periods of at least ITEM_CHARS
+    characters, or over ITEM_SPAN items?"""
+    n = len(items)
     for p in range(1, ITEM_PERIOD + 1):
-        if len(items) < 3 * p:
+        if n < 3 * p:
             break
-        span = 3 * p if sum(map(len, items[-3 * p :])) >= ITEM_CHARS else max(ITEM_SPAN, 3 * p)
-        if len(items) >= span and all(items[-i] == items[-i - p] for i in range(1, span - p + 1)):
+        if items[-1] != items[-1 - p] or not all(items[-i] == items[-i - p] for i in range(2, 2 * p + 1)):
+            continue  # not three periods
+        if sum(length for _, length in items[-3 * p :]) >= ITEM_CHARS:
+            return True
+        span = max(ITEM_SPAN, 3 * p)
+        if n >= span and all(items[-i] == items[-i - p] for i in range(2 * p + 1, span - p + 1)):
             return True
     return False
