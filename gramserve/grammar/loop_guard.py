@@ -118,17 +118,18 @@ class LoopGuard:
 
     Two sequences are watched: the tokens (exact loops), and, with `digits`, the tokens with each run of digits as
     one item (counting loops: ``"map49": {"map50": {...``, where only numbers change from period to period, every one
-    of them upwards, and the period holds a word)."""
+    of them upwards, and the period holds a word). With `json_tokens`, the output's JSON shape is followed too
+    (json_shape.py: stalled strings, repeating array items, repeated keys)."""
 
     __slots__ = ("_tokens", "_counting", "_digits", "_digit_run", "_json", "_shape")
 
-    def __init__(self, digits: DigitTokens | None = None, json: JsonTokens | None = None) -> None:
+    def __init__(self, digits: DigitTokens | None = None, json_tokens: JsonTokens | None = None) -> None:
         self._tokens = _Periods()
         self._counting = _Periods() if digits is not None else None
         self._digits = digits  # None: no counting loops, digit runs not bounded
         self._digit_run = 0  # digits in a row at the end of the output
-        self._json = json
-        self._shape = JsonShape(json) if json is not None else None  # None: stalled strings, arrays not watched
+        self._json = json_tokens
+        self._shape = JsonShape(json_tokens) if json_tokens is not None else None  # None: the shape is not followed
 
     def accept(self, token: int) -> None:
         self._tokens.push(token)
