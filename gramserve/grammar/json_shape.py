@@ -100,7 +100,7 @@ class JsonShape:
     """The shape of one JSON output so far: feed it each accepted token. Its text (``chars``) is the output without
     the whitespace outside strings, from position ``base`` on (what no open container needs is dropped)."""
 
-    __slots__ = ("_texts", "chars", "base", "_open", "in_string", "_escaped", "_window")
+    __slots__ = ("_texts", "chars", "base", "_open", "in_string", "_escaped", "_window", "_distinct")
 
     def __init__(self, tokens: JsonTokens):
         self._texts = tokens.texts
@@ -109,7 +109,8 @@ class JsonShape:
         self._open: list[_Open] = []
         self.in_string = False
         self._escaped = False
-        self._window: deque[int] = deque(maxlen=STALL_SPAN)  # the open string's latest tokens
+        self._window: deque[int] = deque()  # the open string's latest tokens (at most STALL_SPAN)
+        self._distinct: dict[int, int] = {}  # token -> how often it is in the window
 
     def accept(self, token: int) -> None:
         text = self._texts[token] if 0 <= token < len(self._texts) else ""
@@ -119,13 +120,27 @@ class JsonShape:
             for c in text:
                 self._read(c)
         if self.in_string:
-            self._window.append(token)
+            self._into_window(token)
         if len(self.chars) > 2 * _TRIM:
             self._trim()
 
     def string_stalled(self) -> bool:
-        window = self._window
-        return self.in_string and len(window) == STALL_SPAN and len(set(window)) <= STALL_DISTINCT
+        return self.in_string and len(self._window) == STALL_SPAN and len(self._distinct) <= STALL_DISTINCT
+
+    def _into_window(self, token: int) -> None:
+        window, distinct = self._window, self._distinct
+        if len(window) == STALL_SPAN:
+            old = window.popleft()
+            if distinct[old] == 1:
+                del distinct[old]
+            else:
+                distinct[old] -= 1
+        window.append(token)
+        distinct[token] = distinct.get(token, 0) + 1
+
+    def _clear_window(self) -> None:
+        self._window.clear()
+        self._distinct.clear()
 
     def container_stalled(self) -> bool:
         """Is the innermost open container stalled, with the output outside any string in it?"""
@@ -149,7 +164,7 @@ class JsonShape:
                 self._escaped = True
             elif c == '"':
                 self.in_string = False
-                self._window.clear()
+                self._clear_window()
                 self._string_closed()
             return
         if c in _WHITESPACE:
@@ -159,7 +174,7 @@ class JsonShape:
             if top is not None and top.expect_key:
                 top.key_start = self.base + len(chars)
             self.in_string = True
-            self._window.clear()
+            self._clear_window()
         elif c in "[{":
             self._open.append(_Open(c == "[", self.base + len(chars) + 1))
         elif c in "]}":
