@@ -5,16 +5,17 @@ and objects are open around it; and notices two ways a small model stalls in the
   (``"FleetAppServerClientFleetFleetAppServer..."``, ``"nj-nj-jnjn-nj-jnjj..."``). Natural text has about 40
   distinct tokens in 48.
 - A **stalled container**: an array whose latest items (strings, objects or arrays, compared without the whitespace
-  between tokens) repeat with a period of at most ``ITEM_PERIOD`` items over ``ITEM_SPAN`` items (or three periods
-  of at least ``ITEM_CHARS`` characters)
-  (``{"Key": "1234567890", "Value": "1234567890"}, {...}`` again and again, with the newlines between them changing,
-  which is why the token loops miss them), or an object in which a key came twice (``"v1beta1": ..., "v1beta1":``).
-  Numbers and literals are never counted: ``[0, 0, 0, 0, 0, 0]`` is data.
+  between tokens) repeat with a period of at most ``ITEM_PERIOD`` items, over three periods of at least
+  ``ITEM_CHARS`` characters or over ``ITEM_SPAN`` items: ``{"Key": "1234567890", "Value": "1234567890"}, {...}``
+  again and again, with the newlines between them changing, which is why the token loops miss them. Or an object
+  in which a key came twice (``"v1beta1": ..., "v1beta1":``). Numbers and literals are never counted:
+  ``[0, 0, 0, 0, 0, 0]`` is data.
 
 The guard then narrows the next mask to the tokens that close the string, or the container (where the grammar allows
 one), so every output stays inside its grammar. A model writes an item's end and the comma after it as one token
-(``},``, ``",\n``) more often than not, which would leave no point between the two to close at: while the last item
-of a stalled container is written, those tokens are dropped from the mask.
+(``},``, ``",\n``) more often than not, which would leave no point between the two to close at: while an item that
+can be the last is written (its container is stalled, or one more copy would stall it: "primed"), those tokens are
+dropped from the mask.
 """
 
 from __future__ import annotations
