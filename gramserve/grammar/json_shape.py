@@ -25,6 +25,8 @@ from collections import deque
 
 import numpy as np
 
+from gramserve.sampling.bitmask import bitmask_words
+
 STALL_SPAN = 48  # a string's latest tokens looked at ...
 STALL_DISTINCT = 16  # ... and at most this many distinct ones among them is a stalled string
 ITEM_PERIOD = 3  # longest period (in items) of a repeating array
@@ -60,7 +62,7 @@ class JsonTokens:
 
 
 def _bitmask(tokens, vocab_size: int) -> np.ndarray:
-    words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)
+    words = np.zeros(bitmask_words(vocab_size), dtype=np.uint32)
     for token in tokens:
         words[token >> 5] |= np.uint32(1 << (token & 31))
     return words
@@ -147,7 +149,7 @@ class JsonShape:
         """Is the innermost open container stalled, with the output outside any string in it?"""
         return not self.in_string and bool(self._open) and self._open[-1].stalled
 
-    def last_item_of_stalled(self) -> bool:
+    def item_may_be_last(self) -> bool:
         """Is the output writing an item (or a member's value) of a stalled container, or an item that would stall
         its array if it repeats an earlier one: in a string directly in it, or in an array or object directly in it?"""
         opened = self._open
@@ -209,7 +211,6 @@ class JsonShape:
             top.stalled = True  # a key twice in one object: no schema wants that
         top.keys.add(key)
         top.key_start = -1
-        self._trim()
         top.expect_key = False
 
     def _item_done(self, top: _Open) -> None:
@@ -217,7 +218,6 @@ class JsonShape:
         top.done = True
         item = "".join(self.chars[top.start - self.base :])
         items = top.items
-        self._trim()
         if not item or item[0] not in '"[{':
             items.clear()  # numbers and literals repeat in real data
             top.stalled = top.primed = False
@@ -233,7 +233,7 @@ class JsonShape:
 
     def _trim(self) -> None:
         """Drop the text before the earliest position an open container still needs (an array's current item, an
-        object's key), once that is more than _TRIM characters."""
+        object's key), once that is more than _TRIM characters (`accept` asks once the text is twice that)."""
         end = self.base + len(self.chars)
         need = (
             min((o.start if o.array else o.key_start if o.key_start >= 0 else end) for o in self._open)

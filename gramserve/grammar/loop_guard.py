@@ -186,7 +186,7 @@ class LoopGuard:
             keep = self._json.string_closers
         elif shape.container_stalled():
             keep = self._json.container_closers
-        drop = self._json.end_and_comma if shape.last_item_of_stalled() else None
+        drop = self._json.end_and_comma if shape.item_may_be_last() else None
         return keep, drop
 
     def _counts_up(self, p: int) -> bool:
