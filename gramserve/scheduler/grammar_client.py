@@ -94,7 +94,8 @@ class GrammarClient:
         # feed, repeated_fed_steps: those that reused the last fed step's rows; replies: the shards' answers;
         # fill_ms: accept + fill time in the grammar workers, summed over shards; apply_ms: masking the logits
         # (the scheduler's MaskApplier; the scheduler adds it here); loop_bans: rows whose mask the loop guard
-        # narrowed (grammar/loop_guard.py).
+        # narrowed (grammar/loop_guard.py); stale_slot_waits: fills held back until a reused slot's last fed fill
+        # landed (grammar_slots.py).
         self.timing = {
             "steps": 0,
             "fed_steps": 0,
@@ -104,6 +105,7 @@ class GrammarClient:
             "apply_ms": 0.0,
             "fill_ms": 0.0,
             "loop_bans": 0,
+            "stale_slot_waits": 0,
         }
         # Compile answers by source (messages.GrammarCompileResp.source; "failed": no backend took it) and by the
         # backend that serves them; the time of each compile that ran (or disk load); each shard reply's fill time.
@@ -227,7 +229,12 @@ class GrammarClient:
         lay = self._layout
         if lay is not None and rids == lay.rids:
             return lay.pairs_for(rows), lay.step
-        pairs, fill, step = self._slots.take(rows, rids)
+        pairs, fill, step, stale = self._slots.take(rows, rids)
+        if stale and not self._answered(stale):
+            # A slot taken here may still be written by its last owner's fed fill (grammar_slots.py): that fill
+            # must land before this one is asked, whichever shard each is on.
+            self.timing["stale_slot_waits"] += 1
+            self.wait(stale)
         if fill:
             step = max(step, self.begin_step(fill))
         return pairs, step
