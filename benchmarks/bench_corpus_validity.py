@@ -146,9 +146,9 @@ async def run(args, files: list[Path]) -> tuple[list[dict], dict]:
         model = (await http.get(args.base_url + "/v1/models")).json()["data"][0]["id"]
         rows = await asyncio.gather(*(bounded(http, model, i, p) for i, p in enumerate(files)))
         if args.llama_cpp:
-            return list(rows), {}
+            return list(rows), {}, {}
         info = (await http.get(args.base_url + "/get_server_info")).json()
-    return list(rows), info.get("output_checks", {})
+    return list(rows), info.get("output_checks", {}), info.get("grammar_timing", {})
 
 
 CUT_SITES = ("string", "key", "number", "whitespace", "array", "object", "other")
@@ -273,7 +273,7 @@ def main() -> int:
     args.base_url = args.base_url.rstrip("/")
     t0 = time.monotonic()
     try:
-        rows, checks = asyncio.run(run(args, files))
+        rows, checks, grammar_timing = asyncio.run(run(args, files))
     finally:
         if server is not None:
             server.stop()
@@ -282,13 +282,19 @@ def main() -> int:
     print(md)
     print("\nWhere the cut outputs ran out:\n" + cut_table(rows))
     print(f"\noutput_checks: {checks}")
+    print(f"grammar_timing: {grammar_timing}")
     for r in rows:
         if r["outcome"] in ("invalid", "error"):
             print(f"{r['outcome']}: {r['file']}: {r.get('detail')} {r.get('content') or ''}")
     print(f"\n{len(rows)} schemas in {wall:.0f} s; {machine_info()}")
     print("command: python " + " ".join(sys.argv) + (f"  (server: {args.server_args})" if server else ""))
     out = Path(args.output_dir) / f"bench_corpus_validity-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"rows": rows, "output_checks": checks, "wall_s": wall, "argv": sys.argv}, indent=1))
+    out.write_text(
+        json.dumps(
+            {"rows": rows, "output_checks": checks, "grammar_timing": grammar_timing, "wall_s": wall, "argv": sys.argv},
+            indent=1,
+        )
+    )
     bad = sum(r["outcome"] in ("invalid", "error") for r in rows)
     return 1 if bad else 0
 
