@@ -16,6 +16,7 @@ from gramserve.grammar.backends import GrammarOptions
 from gramserve.grammar.json_shape import ITEM_CHARS, ITEM_SPAN, STALL_SPAN, JsonShape, JsonTokens
 from gramserve.grammar.loop_guard import MAX_DIGIT_RUN, MIN_SPAN, DigitTokens, LoopGuard
 from gramserve.grammar.service import GrammarService, ban_tokens
+from gramserve.grammar.unique_arrays import UniqueArrays, unique_arrays
 from gramserve.messages import GrammarCompileReq, GrammarRequest, GrammarStepReq
 from gramserve.sampling.bitmask import allocate_bitmask
 from tests.test_grammar_compile_cache import EOS, collect
@@ -313,5 +314,95 @@ def test_the_service_closes_a_stalled_array_where_the_grammar_allows(tokenizer):
             reply = svc.step(GrammarStepReq(i, [("free", t), ("many", t)], [("free", 0), ("many", 1)], []))
         assert not allowed(bitmask, 0, quote_brace_comma) and allowed(bitmask, 0, quote_brace)
         assert allowed(bitmask, 1, quote_brace)  # (the guard does not know the minItems: it drops them there too)
+    finally:
+        svc.close()
+
+
+def test_unique_arrays_are_found_by_name_through_refs_and_combinators():
+    tag = {"type": "object", "properties": {"Key": {"type": "string"}, "Value": {"type": "string"}}}
+    schema = {
+        "type": "object",
+        "definitions": {
+            "Tag": tag,
+            "Tags": {"type": "array", "items": {"$ref": "#/definitions/Tag"}, "uniqueItems": True},
+        },
+        "properties": {
+            "Tags": {"$ref": "#/definitions/Tags"},
+            "Ids": {"anyOf": [{"type": "null"}, {"type": "array", "uniqueItems": True}]},
+            "Steps": {"type": "array", "items": {"type": "object", "properties": {"Args": {"uniqueItems": True}}}},
+            "Notes": {"type": "array"},
+        },
+    }
+    found = unique_arrays(json.dumps(schema))
+    assert found == UniqueArrays(frozenset({"Tags", "Ids", "Args"}), root=False)
+    assert unique_arrays(json.dumps({"type": "array", "uniqueItems": True})).root
+    assert unique_arrays("not json") == UniqueArrays()
+
+
+def test_an_item_of_a_unique_array_may_not_end_as_a_copy(tokenizer):
+    """Held-out outputs failed the last check with the same tag object twice in a uniqueItems array: while the last
+    string of an item that so far equals an earlier one is written, the tokens that would end it the same way are
+    banned (and only there: another value, another key, or an array without uniqueItems is left alone)."""
+    json_tokens = JsonTokens.of(tokenizer, len(tokenizer))
+    item = '{"Key": "1234567890", "Value": "1234567890"}'
+
+    def endings(text: str, keys=frozenset({"Tags"})) -> set[str]:
+        shape = JsonShape(json_tokens, keys)
+        for t in tokenizer.encode(text, add_special_tokens=False):
+            shape.accept(t)
+        return {json_tokens.texts[t] for t in shape.duplicate_endings()}
+
+    second = '{"Tags": [' + item + ', {"Key": "1234567890", "Value": "1234567890'
+    copies = endings(second)
+    assert {'"}', '"},'} <= copies and all(t.startswith('"') for t in copies)
+    short = endings(second[:-1])  # one character short: only a token that writes it and the quote ends a copy
+    assert all(t.startswith('0"') for t in short)  # (digits are tokens of their own in this vocabulary: none)
+    assert not endings(second, keys=frozenset())  # no uniqueItems: copies are the schema's business
+    assert not endings('{"Tags": [' + item + ', {"Key": "1234567890')  # the key's string: the item goes on after it
+    assert not endings('{"Tags": [' + item + ', {"Key": "1234567890", "Value": "999')  # differs already
+    strings = endings('{"Tags": ["a-b", "a-b')
+    assert '"' in strings and '",' in strings
+    assert endings('["x", "x', keys=frozenset()) == set()
+    root = JsonShape(json_tokens, frozenset(), unique_root=True)
+    for t in tokenizer.encode('["x", "x', add_special_tokens=False):
+        root.accept(t)
+    assert '"' in {json_tokens.texts[t] for t in root.duplicate_endings()}
+
+
+def test_the_service_keeps_a_unique_array_from_repeating_an_item(tokenizer):
+    """Through the grammar service (llguidance): the same tokens in a uniqueItems array and in a plain one; in the
+    unique one the copy's ending is not in the mask, in the plain one it is; after the altered copy the unique array
+    may only close."""
+    bitmask = allocate_bitmask(2, len(tokenizer))
+    svc = GrammarService(
+        tokenizer, len(tokenizer), [EOS], GrammarOptions(loop_guard=True), bitmask, fill_threads=0, compile_timeout_s=30
+    )
+    tag = {
+        "type": "object",
+        "properties": {"Key": {"type": "string"}, "Value": {"type": "string"}},
+        "required": ["Key", "Value"],
+        "additionalProperties": False,
+    }
+    unique = {"type": "object", "properties": {"Tags": {"type": "array", "items": tag, "uniqueItems": True}}}
+    plain = {"type": "object", "properties": {"Tags": {"type": "array", "items": tag}}}
+    end = tokenizer.convert_tokens_to_ids('"}')
+    try:
+        svc.submit(GrammarCompileReq("unique", GrammarRequest("json_schema", json.dumps(unique))))
+        svc.submit(GrammarCompileReq("plain", GrammarRequest("json_schema", json.dumps(plain))))
+        assert all(r.error is None for r in collect(svc, {"unique", "plain"}).values())
+        item = '{"Key": "1234567890", "Value": "1234567890"}'
+        text = '{"Tags": [' + item + ', {"Key": "1234567890", "Value": "1234567890'
+        for i, t in enumerate(tokenizer.encode(text, add_special_tokens=False)):
+            reply = svc.step(GrammarStepReq(i, [("unique", t), ("plain", t)], [("unique", 0), ("plain", 1)], []))
+        assert reply.loop_bans >= 1
+        assert not allowed(bitmask, 0, end) and allowed(bitmask, 1, end)
+        assert allowed(bitmask, 0, tokenizer.convert_tokens_to_ids("0"))  # it may write another character
+        # the altered copy ends the array: a model that copies items would write near-copies next
+        n = len(tokenizer.encode(text, add_special_tokens=False))
+        for i, t in enumerate(tokenizer.convert_tokens_to_ids(["1", '"}']), n):
+            svc.step(GrammarStepReq(i, [("unique", t), ("plain", t)], [("unique", 0), ("plain", 1)], []))
+        comma, close = tokenizer.convert_tokens_to_ids([",", "]"])
+        assert allowed(bitmask, 0, close) and not allowed(bitmask, 0, comma)
+        assert allowed(bitmask, 1, comma)
     finally:
         svc.close()

@@ -16,6 +16,14 @@ one), so every output stays inside its grammar. A model writes an item's end and
 (``},``, ``",\n``) more often than not, which would leave no point between the two to close at: while an item that
 can be the last is written (its container is stalled, or one more copy would stall it: "primed"), those tokens are
 dropped from the mask.
+
+In an array the schema marks ``uniqueItems`` (the value of a member whose key is one of ``unique_keys``, or the whole
+output), which no grammar backend enforces (the last check does, by sampling again), it also keeps an item from
+ending as a copy of an earlier one: while the item's last string is written and the item so far equals the start of
+an earlier item, the tokens that would end that string as the earlier item's did (the rest of the item being only its
+closing brackets) are banned (``duplicate_endings``), and the model writes another character instead: two copies of
+``{"Key": "1234567890", "Value": "1234567890"}`` would fail the check. A model that copies items keeps on writing
+near-copies, so the array is stalled after that item.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ ITEM_PERIOD = 3  # longest period (in items) of a repeating array
 ITEM_SPAN = 6  # items an array repeats over (and at least 3 periods) before it is stalled ...
 ITEM_CHARS = 96  # ... or fewer items, at least 3 periods, that hold this many characters (3 copies of a long item)
 _TRIM = 4096  # text no open container needs any more is dropped once it is this long
+UNIQUE_ITEMS = 64  # a unique array's items remembered (each at most UNIQUE_CHARS long) ...
+UNIQUE_CHARS = 1024  # ... for duplicate_endings
 
 # byte-level BPE writes a space, newline, tab and carriage return as these letters; SentencePiece writes a space as ▁
 _READABLE = str.maketrans({"Ġ": " ", "Ċ": "\n", "ĉ": "\t", "č": "\r", "▁": " "})
@@ -44,13 +54,24 @@ class JsonTokens:
     """A vocabulary as the follower reads it: each token's text, and bitmasks of the tokens that can close a string
     (an unescaped quote) and of those that close an array or object (``]`` or ``}`` after any whitespace)."""
 
-    __slots__ = ("texts", "string_closers", "container_closers", "end_and_comma")
+    __slots__ = ("texts", "string_closers", "container_closers", "end_and_comma", "_by_string_end")
 
     def __init__(self, texts: list[str], vocab_size: int):
         self.texts = texts  # token id -> its text ("" for ids the tokenizer does not name)
+        self._by_string_end: dict[str, list[int]] | None = None
         self.string_closers = _bitmask((i for i, t in enumerate(texts) if '"' in t and _closes(t)), vocab_size)
         self.container_closers = _bitmask((i for i, t in enumerate(texts) if t.lstrip()[:1] in ("]", "}")), vocab_size)
         self.end_and_comma = _bitmask((i for i, t in enumerate(texts) if _END_AND_COMMA.search(t)), vocab_size)
+
+    def ending_string_with(self, text: str) -> list[int]:
+        """The tokens that, read inside a string, write exactly `text` and then its closing quote (and maybe more)."""
+        if self._by_string_end is None:  # built on first use: few schemas have unique arrays
+            by: dict[str, list[int]] = {}
+            for token, t in enumerate(self.texts):
+                if (end := _closing_quote(t)) >= 0:
+                    by.setdefault(t[:end], []).append(token)
+            self._by_string_end = by
+        return self._by_string_end.get(text, [])
 
     @classmethod
     def of(cls, tokenizer, vocab_size: int) -> "JsonTokens":
@@ -70,24 +91,32 @@ def _bitmask(tokens, vocab_size: int) -> np.ndarray:
 
 def _closes(text: str) -> bool:
     """Does a token with this text close a string it starts inside (no escape pending)?"""
+    return _closing_quote(text) >= 0
+
+
+def _closing_quote(text: str) -> int:
+    """Where the quote is that closes a string a token with this text starts inside (no escape pending); -1: none."""
     escaped = False
-    for c in text:
+    for i, c in enumerate(text):
         if escaped:
             escaped = False
         elif c == "\\":
             escaped = True
         elif c == '"':
-            return True
-    return False
+            return i
+    return -1
 
 
 class _Open:
     """One open array or object: where its current item (or key) began in the follower's text, and what came
     before in it."""
 
-    __slots__ = ("array", "start", "done", "items", "keys", "key_start", "expect_key", "stalled", "primed")
+    __slots__ = (
+        "array", "start", "done", "items", "keys", "key_start", "expect_key", "stalled", "primed", "last_key",
+        "uniques", "copying",
+    )  # fmt: skip
 
-    def __init__(self, array: bool, start: int):
+    def __init__(self, array: bool, start: int, unique: bool = False):
         self.array = array
         self.start = start  # arrays: where the current item's text begins (a JsonShape position)
         self.done = False  # arrays: the current item (a string, array or object) is complete
@@ -97,16 +126,27 @@ class _Open:
         self.expect_key = not array
         self.stalled = False
         self.primed = False  # arrays: one more repeat of an earlier item would stall it
+        self.last_key = 0  # objects: the hash of the latest key (with its quotes)
+        self.uniques: list[str] | None = [] if unique else None  # unique arrays: the items so far (UNIQUE_ITEMS)
+        self.copying = False  # unique arrays: the current item set out to copy an earlier one (duplicate_endings)
 
 
 class JsonShape:
     """The shape of one JSON output so far: feed it each accepted token. Its text (``chars``) is the output without
     the whitespace outside strings, from position ``base`` on (what no open container needs is dropped)."""
 
-    __slots__ = ("_texts", "chars", "base", "_open", "in_string", "_escaped", "_window", "_distinct")
+    __slots__ = (
+        "_tokens", "_texts", "chars", "base", "_open", "in_string", "_escaped", "_window", "_distinct", "_unique_keys",
+        "_unique_root",
+    )  # fmt: skip
 
-    def __init__(self, tokens: JsonTokens):
+    def __init__(self, tokens: JsonTokens, unique_keys: frozenset[str] = frozenset(), unique_root: bool = False):
+        """`unique_keys`: the names of members whose value is an array the schema marks uniqueItems; `unique_root`: the
+        output itself is one."""
+        self._tokens = tokens
         self._texts = tokens.texts
+        self._unique_keys = frozenset(hash(f'"{k}"') for k in unique_keys)  # as _string_closed hashes keys
+        self._unique_root = unique_root
         self.chars: list[str] = []
         self.base = 0  # the position of chars[0] in the whole text
         self._open: list[_Open] = []
@@ -157,6 +197,33 @@ class JsonShape:
             return True
         return len(opened) > 1 and (opened[-2].stalled or opened[-2].primed)
 
+    def duplicate_endings(self) -> list[int]:
+        """Inside a string of an item of a unique array (the innermost open array): the tokens that would end the
+        string so that the item, whose rest is then only closing brackets, equals an earlier item. Empty elsewhere."""
+        if not self.in_string or self._escaped:
+            return []
+        opened = self._open
+        depth = len(opened) - 1
+        while depth >= 0 and not opened[depth].array:
+            depth -= 1
+        if depth < 0 or not opened[depth].uniques:
+            return []
+        array = opened[depth]
+        so_far = "".join(self.chars[array.start - self.base :])
+        closers = len(opened) - 1 - depth  # objects and arrays open inside the item
+        out: list[int] = []
+        for earlier in array.uniques:
+            if not earlier.startswith(so_far):
+                continue
+            rest = earlier[len(so_far) :]
+            end = _closing_quote(rest)
+            if end >= 0 and len(rest) - end - 1 == closers and all(c in "]}" for c in rest[end + 1 :]):
+                out += self._tokens.ending_string_with(rest[:end])
+        if out:
+            # The model is copying items: the altered copy it now writes may be the last (stalled after it).
+            array.copying = array.primed = True
+        return out
+
     def _read(self, c: str) -> None:
         chars = self.chars
         if self.in_string:
@@ -179,7 +246,8 @@ class JsonShape:
             self.in_string = True
             self._clear_window()
         elif c in "[{":
-            self._open.append(_Open(c == "[", self.base + len(chars) + 1))
+            unique = c == "[" and (top.last_key in self._unique_keys if top is not None else self._unique_root)
+            self._open.append(_Open(c == "[", self.base + len(chars) + 1, unique))
         elif c in "]}":
             if top is not None:
                 self._open.pop()
@@ -210,6 +278,7 @@ class JsonShape:
         if key in top.keys:
             top.stalled = True  # a key twice in one object: no schema wants that
         top.keys.add(key)
+        top.last_key = key
         top.key_start = -1
         top.expect_key = False
 
@@ -222,10 +291,13 @@ class JsonShape:
             items.clear()  # numbers and literals repeat in real data
             top.stalled = top.primed = False
             return
+        if top.uniques is not None and len(top.uniques) < UNIQUE_ITEMS and len(item) <= UNIQUE_CHARS:
+            top.uniques.append(item)
         items.append((hash(item), len(item)))
         if len(items) > 3 * ITEM_PERIOD:
             del items[0]
-        top.stalled = _repeating(items)
+        top.stalled = _repeating(items) or top.copying
+        top.copying = False
         # would the next item stall it, were it a copy of the one p back?
         top.primed = not top.stalled and any(
             _repeating(items + [items[-p]]) for p in range(1, min(ITEM_PERIOD, len(items)) + 1)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from gramserve.grammar.json_shape import JsonShape, JsonTokens
+from gramserve.grammar.unique_arrays import UniqueArrays
 
 MAX_PERIOD = 32  # longest loop (in tokens) recognised
 MIN_SPAN = 16  # a loop is this many tokens of one repeated period ...
@@ -123,13 +124,21 @@ class LoopGuard:
 
     __slots__ = ("_tokens", "_counting", "_digits", "_digit_run", "_json", "_shape")
 
-    def __init__(self, digits: DigitTokens | None = None, json_tokens: JsonTokens | None = None) -> None:
+    def __init__(
+        self,
+        digits: DigitTokens | None = None,
+        json_tokens: JsonTokens | None = None,
+        unique: UniqueArrays | None = None,
+    ) -> None:
         self._tokens = _Periods()
         self._counting = _Periods() if digits is not None else None
         self._digits = digits  # None: no counting loops, digit runs not bounded
         self._digit_run = 0  # digits in a row at the end of the output
         self._json = json_tokens
-        self._shape = JsonShape(json_tokens) if json_tokens is not None else None  # None: the shape is not followed
+        self._shape = None  # None: the shape is not followed
+        if json_tokens is not None:
+            unique = unique or UniqueArrays()
+            self._shape = JsonShape(json_tokens, unique.keys, unique.root)
 
     def accept(self, token: int) -> None:
         self._tokens.push(token)
@@ -150,7 +159,13 @@ class LoopGuard:
             counting.push(DIGITS, digits)
 
     def banned(self) -> frozenset[int] | set[int]:
-        """The tokens the next mask must not allow (empty: no loop)."""
+        """The tokens the next mask must not allow (empty: no loop, and no item about to copy an earlier one)."""
+        out = self._loop_bans()
+        if self._shape is not None and (copies := self._shape.duplicate_endings()):
+            return out | set(copies)
+        return out
+
+    def _loop_bans(self) -> frozenset[int] | set[int]:
         tokens, counting = self._tokens, self._counting
         if not (tokens.runs or tokens.lengths or self._digit_run >= MAX_DIGIT_RUN) and (
             counting is None or not (counting.runs or counting.lengths)

@@ -47,6 +47,7 @@ from gramserve.grammar.fill_probe import probe_fill_us
 from gramserve.grammar.json_shape import JsonTokens
 from gramserve.grammar.loop_guard import DigitTokens, LoopGuard
 from gramserve.grammar.schema_relax import dropped_keywords, relaxable
+from gramserve.grammar.unique_arrays import unique_arrays
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
 
 logger = logging.getLogger(__name__)
@@ -316,9 +317,7 @@ class GrammarService:
                     backend,
                     f.probes,
                 )
-        return self._answer_all(
-            f, lambda rid: self._ready(rid, f.grammar.kind, backend, compiled, ms, source, f.probes)
-        )
+        return self._answer_all(f, lambda rid: self._ready(rid, f.grammar, backend, compiled, ms, source, f.probes))
 
     def _answer_all(self, f: _Flight, answer) -> list[GrammarCompileResp]:
         self.pending.pop(f.key, None)
@@ -334,14 +333,15 @@ class GrammarService:
         return out
 
     def _ready(
-        self, rid: str, kind: str, backend: str, compiled, ms: float, source: str, probes: dict
+        self, rid: str, grammar: GrammarRequest, backend: str, compiled, ms: float, source: str, probes: dict
     ) -> GrammarCompileResp:
         try:
             self.matchers[rid] = self.backend(backend).matcher(compiled)
-            if self.options.loop_guard and kind in LOOP_GUARDED_KINDS:
+            if self.options.loop_guard and grammar.kind in LOOP_GUARDED_KINDS:
                 # the JSON's shape is followed in whole-JSON outputs (a tool-call grammar has free text around)
-                shape = self.json_tokens if kind in SHAPE_WATCHED_KINDS else None
-                self.loop_guards[rid] = LoopGuard(self.digit_tokens, shape)
+                shape = self.json_tokens if grammar.kind in SHAPE_WATCHED_KINDS else None
+                unique = unique_arrays(grammar.text) if grammar.kind == "json_schema" else None
+                self.loop_guards[rid] = LoopGuard(self.digit_tokens, shape, unique)
         except Exception as exc:  # noqa: BLE001 - a backend bug must not take the process down
             logger.exception("matcher creation failed")
             return GrammarCompileResp(rid, None, f"{backend}: cannot create a matcher: {exc}")
