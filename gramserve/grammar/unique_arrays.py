@@ -23,12 +23,12 @@ class UniqueArrays:
     root: bool = False  # the output itself is a unique array
 
 
-@lru_cache(maxsize=512)
+@lru_cache(maxsize=256)
 def unique_arrays(schema_text: str) -> UniqueArrays:
     """The unique arrays of a JSON schema (its text, as compiled); none if it does not parse."""
     try:
         schema = json.loads(schema_text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return UniqueArrays()
     if not isinstance(schema, dict):
         return UniqueArrays()
