@@ -168,6 +168,7 @@ class ServerArgs:
     # Function calling and reasoning
     chat_template: str | None = None  # a Jinja file or template text replacing the tokenizer's
     tool_call_parser: str | None = None  # default: detected from the chat template (hermes when unclear)
+    max_parallel_tool_calls: int = 16  # calls one turn may make when parallel_tool_calls is on; 0: no bound
     reasoning_parser: str | None = None  # e.g. deepseek-r1, qwen3, qwen3-thinking; None: no reasoning split
     # LoRA adapters (docs/lora.md)
     enable_lora: bool = False  # serve adapters; implied by lora_modules; also allows /load_lora_adapter
@@ -518,6 +519,13 @@ class ServerArgs:
             default=None,
             help="tool-call format (hermes, qwen25, llama3, mistral, pythonic, qwen3_coder, "
             "deepseek_v3, kimi_k2); default: detected from the chat template",
+        )
+        parser.add_argument(
+            "--max-parallel-tool-calls",
+            type=lambda v: _int_at_least(v, 0),
+            default=defaults.max_parallel_tool_calls,
+            help="most calls in one assistant turn when parallel_tool_calls is on (the grammar ends the turn "
+            "there; a small model can otherwise write call after call until max_tokens); 0: no bound",
         )
         parser.add_argument(
             "--reasoning-parser",

@@ -21,6 +21,7 @@ from gramserve.parsers.tool_calls import (
     ParseResult,
     ToolCall,
     ToolFunction,
+    bound_calls,
     detect_tool_call_parser,
     get_tool_call_parser,
 )
@@ -691,6 +692,32 @@ def test_structural_tags_constrain_calls(tokenizer, kind, name):
     auto_single = compiled("auto", False)
     assert accepts(b, auto_single, "Hi. " + one, tokenizer)
     assert not accepts(b, auto_single, two, tokenizer)
+
+
+@pytest.mark.parametrize("kind", ["xgrammar", "llguidance"])
+@pytest.mark.parametrize("name", sorted(TOOL_CALL_PARSERS))
+def test_bounded_calls(tokenizer, kind, name):
+    """--max-parallel-tool-calls: with a bound of 2 a turn holds one or two calls, never three (required, and the
+    calls after an auto trigger); the same grammar as without a bound otherwise."""
+    from gramserve.grammar.backends import GrammarSpec
+
+    b = backend(tokenizer, kind)
+    p = parser(name)
+
+    def compiled(mode):
+        return b.compile(GrammarSpec("structural_tag", json.dumps(bound_calls(p.structural_tag(mode, True), 2))))
+
+    one, two, three = (p.render_calls(GOOD_CALLS[:n]) for n in (1, 2, 3))
+    required = compiled("required")
+    assert accepts(b, required, one, tokenizer) and accepts(b, required, two, tokenizer)
+    bounded = json.dumps(bound_calls(p.structural_tag("required", True), 2)) != json.dumps(
+        p.structural_tag("required", True)
+    )
+    assert accepts(b, required, three, tokenizer) != bounded  # formats with no run of calls (pythonic) are unchanged
+    assert not accepts(b, required, "", tokenizer)
+    auto = compiled("auto")
+    assert accepts(b, auto, "Just text.", tokenizer) and accepts(b, auto, "Let me check. " + one, tokenizer)
+    assert bound_calls(p.structural_tag("required", True), 0) == p.structural_tag("required", True)
 
 
 # A pydantic-style schema: $defs/$ref, anyOf, type lists, mixed enums, const, arrays of objects.

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from gramserve.config import ServerArgs
 from gramserve.messages import GrammarRequest
-from gramserve.parsers.tool_calls import ToolCallParser, ToolFunction, get_tool_call_parser
+from gramserve.parsers.tool_calls import ToolCallParser, ToolFunction, bound_calls, get_tool_call_parser
 from gramserve.server import protocol as P
 from gramserve.server.errors import InvalidRequestError
 from gramserve.server.structured_outputs import _schema_text, _structural_tag_text, with_system_text
@@ -85,6 +85,7 @@ def tool_grammar(plan: ToolPlan, args: ServerArgs, backend: str) -> GrammarReque
         return None
     parser = plan.new_parser()
     tag = parser.structural_tag("named" if plan.mode == "named" else plan.mode, plan.parallel, plan.function)
+    tag = bound_calls(tag, args.max_parallel_tool_calls)
     return GrammarRequest(kind="structural_tag", text=_structural_tag_text(tag, args, "tools"), backend=backend)
 
 

@@ -4,10 +4,12 @@ parser = get_tool_call_parser("hermes")(tools)
 result = parser.parse(text)                 # ParseResult(content, calls)
 delta = parser.feed(chunk); ...; parser.finish()   # streaming, one parser object per response
 parser.structural_tag("auto", parallel=True)       # grammar for constrained calls
+bound_calls(tag, 16)                               # ... with at most 16 calls in a turn
 """
 
 from __future__ import annotations
 
+from ._structural import bound_calls
 from .base import (
     ParseResult,
     StreamDelta,
@@ -87,6 +89,7 @@ def detect_tool_call_parser(chat_template: str | None, model_type: str | None) -
 
 
 __all__ = [
+    "bound_calls",
     "TOOL_CALL_PARSERS",
     "ParseResult",
     "StreamDelta",

@@ -7,6 +7,8 @@ Per tool choice mode:
 * ``required``: ``tags_with_separator`` with ``at_least_one`` -- calls only, no text.
 * ``named``: the one call's tag.
 
+``bound_calls`` then caps the calls of one turn (``--max-parallel-tool-calls``), unrolling each run of calls.
+
 Formats whose calls sit in one section (``<｜tool▁calls▁begin｜>...``) wrap the calls in a section
 tag; ``auto`` then triggers on the section start and stops after the section.
 
@@ -61,6 +63,28 @@ def calls_format(mode: str, parallel: bool, tags: list[dict], *, trigger: str, s
             "stop_after_first": one,
         }
     )
+
+
+def bound_calls(tag: dict, most: int) -> dict:
+    """The structural tag with every run of calls (``tags_with_separator`` not stopping after the first) allowed at
+    most `most` calls (0: unchanged). The same calls, separator and at_least_one; the grammar ends the run there."""
+    if most <= 0:
+        return tag
+
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        node = {k: walk(v) for k, v in node.items()}
+        if node.get("type") != "tags_with_separator" or node.get("stop_after_first"):
+            return node
+        call = node["tags"][0] if len(node["tags"]) == 1 else {"type": "or", "elements": node["tags"]}
+        more = sequence(const(node["separator"]), call) if node["separator"] else call
+        calls = sequence(call, {"type": "repeat", "min": 0, "max": most - 1, "content": more}) if most > 1 else call
+        return calls if node.get("at_least_one") else {"type": "optional", "content": calls}
+
+    return walk(tag)
 
 
 def section_format(
