@@ -31,6 +31,20 @@ def first_ban(tokens: list[int]) -> tuple[int, set[int]] | None:
     return None
 
 
+def guarded_service(tokenizer, bitmask) -> GrammarService:
+    """A grammar service with the loop guard on, filling rows on the calling thread."""
+    return GrammarService(
+        tokenizer, len(tokenizer), [EOS], GrammarOptions(loop_guard=True), bitmask, fill_threads=0, compile_timeout_s=30
+    )
+
+
+def compile_schemas(svc: GrammarService, schemas: dict[str, dict]) -> None:
+    """Compile one JSON schema per rid and wait until each has a matcher."""
+    for rid, schema in schemas.items():
+        svc.submit(GrammarCompileReq(rid, GrammarRequest("json_schema", json.dumps(schema))))
+    assert all(r.error is None for r in collect(svc, set(schemas)).values())
+
+
 def test_a_loop_is_banned_once_it_spans_min_span_tokens():
     assert first_ban([7] * 40) == (MIN_SPAN - 1, {7})  # one token over and over
     assert first_ban([1, 2, 3] * 20) == (15, {2})  # 16 tokens (5 periods and one token); next would be 2
@@ -123,9 +137,7 @@ def test_a_run_of_digits_ends_past_max_digit_run(tokenizer):
 
 def test_the_service_ends_a_digit_string_unless_the_grammar_wants_digits(tokenizer):
     bitmask = allocate_bitmask(2, len(tokenizer))
-    svc = GrammarService(
-        tokenizer, len(tokenizer), [EOS], GrammarOptions(loop_guard=True), bitmask, fill_threads=0, compile_timeout_s=30
-    )
+    svc = guarded_service(tokenizer, bitmask)
     free = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
     fixed = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[0-9]{40}$"}}, "required": ["s"]}
     try:
@@ -211,9 +223,7 @@ def test_a_stalled_string_may_only_close(tokenizer):
         assert guard.narrowing() == (None, None)
 
     bitmask = allocate_bitmask(2, len(tokenizer))
-    svc = GrammarService(
-        tokenizer, len(tokenizer), [EOS], GrammarOptions(loop_guard=True), bitmask, fill_threads=0, compile_timeout_s=30
-    )
+    svc = guarded_service(tokenizer, bitmask)
     free = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
     long = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1000}}, "required": ["s"]}
     quote = tokenizer.convert_tokens_to_ids('"')
@@ -280,18 +290,14 @@ def test_the_service_closes_a_stalled_array_where_the_grammar_allows(tokenizer):
     """Through the grammar service (llguidance): once the array's items repeat, the next mask after an item keeps
     only tokens that close it; with minItems not yet met the grammar decides, and the array goes on."""
     bitmask = allocate_bitmask(2, len(tokenizer))
-    svc = GrammarService(
-        tokenizer, len(tokenizer), [EOS], GrammarOptions(loop_guard=True), bitmask, fill_threads=0, compile_timeout_s=30
-    )
+    svc = guarded_service(tokenizer, bitmask)
     tag = {"type": "object", "properties": {"Key": {"type": "string"}, "Value": {"type": "string"}}}
     free = {"type": "object", "properties": {"Tags": {"type": "array", "items": tag}}, "required": ["Tags"]}
     many = {"type": "object", "properties": {"Tags": {"type": "array", "items": tag, "minItems": 20}}}
     close = tokenizer.convert_tokens_to_ids("]")
     comma = tokenizer.convert_tokens_to_ids(",")
     try:
-        svc.submit(GrammarCompileReq("free", GrammarRequest("json_schema", json.dumps(free))))
-        svc.submit(GrammarCompileReq("many", GrammarRequest("json_schema", json.dumps(many))))
-        assert all(r.error is None for r in collect(svc, {"free", "many"}).values())
+        compile_schemas(svc, {"free": free, "many": many})
         item = '{"Key": "1234567890", "Value": "1234567890"}'
         quote_brace_comma, quote_brace = tokenizer.convert_tokens_to_ids(['"},', '"}'])
         text = '{"Tags": [' + ", ".join([item] * 3)
@@ -374,9 +380,7 @@ def test_the_service_keeps_a_unique_array_from_repeating_an_item(tokenizer):
     unique one the copy's ending is not in the mask, in the plain one it is; after the altered copy the unique array
     may only close."""
     bitmask = allocate_bitmask(2, len(tokenizer))
-    svc = GrammarService(
-        tokenizer, len(tokenizer), [EOS], GrammarOptions(loop_guard=True), bitmask, fill_threads=0, compile_timeout_s=30
-    )
+    svc = guarded_service(tokenizer, bitmask)
     tag = {
         "type": "object",
         "properties": {"Key": {"type": "string"}, "Value": {"type": "string"}},
@@ -387,9 +391,7 @@ def test_the_service_keeps_a_unique_array_from_repeating_an_item(tokenizer):
     plain = {"type": "object", "properties": {"Tags": {"type": "array", "items": tag}}}
     end = tokenizer.convert_tokens_to_ids('"}')
     try:
-        svc.submit(GrammarCompileReq("unique", GrammarRequest("json_schema", json.dumps(unique))))
-        svc.submit(GrammarCompileReq("plain", GrammarRequest("json_schema", json.dumps(plain))))
-        assert all(r.error is None for r in collect(svc, {"unique", "plain"}).values())
+        compile_schemas(svc, {"unique": unique, "plain": plain})
         item = '{"Key": "1234567890", "Value": "1234567890"}'
         text = '{"Tags": [' + item + ', {"Key": "1234567890", "Value": "1234567890'
         for i, t in enumerate(tokenizer.encode(text, add_special_tokens=False)):
