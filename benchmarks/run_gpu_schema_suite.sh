@@ -4,7 +4,8 @@
 #   benchmarks/run_gpu_schema_suite.sh CONFIG_JSON TOKENIZER_DIR OUT_DIR [bench_schema_suite.py args ...]
 #
 # Starts `gramserve serve` on port 30000, waits for /health (up to 15 min: kernels compile at start-up), runs the
-# benchmark, stops the server. The server log goes to OUT_DIR/server.log. A tokenizer without a chat template
+# benchmark, stops the server. The server log goes to OUT_DIR/server.log, its /get_server_info at the end to
+# OUT_DIR/server_info.json. A tokenizer without a chat template
 # (the shapes' configs are served with a borrowed tokenizer) gets benchmarks/templates/chatml.jinja. SERVER_ARGS (an
 # environment variable, split on spaces) adds server flags, e.g. SERVER_ARGS="--grammar-shards 2".
 set -u
@@ -38,6 +39,8 @@ PY
 echo "server ready after $(($(date +%s) - start)) s"
 python benchmarks/bench_schema_suite.py --base-url http://127.0.0.1:30000 --output-dir "$out" "$@"
 status=$?
+python -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:30000/get_server_info').read().decode())" \
+  >"$out/server_info.json"
 kill $server
 wait $server
 exit $status
