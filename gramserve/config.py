@@ -164,7 +164,6 @@ class ServerArgs:
     grammar_schema_in_prompt: bool = False
     # JSON outputs: ban the token that would continue an exact loop (grammar/loop_guard.py); outputs stay valid
     grammar_loop_guard: bool = True
-    grammar_sit_out: bool = True  # overlap schedule: rows whose mask is late sit a decode step out
     grammar_max_depth: int = 64  # deepest JSON nesting accepted in a schema
     # Function calling and reasoning
     chat_template: str | None = None  # a Jinja file or template text replacing the tokenizer's
@@ -473,13 +472,6 @@ class ServerArgs:
             default=defaults.grammar_loop_guard,
             help="JSON outputs (response_format, tools): when the output repeats one span of tokens over and over, "
             "ban the token that would continue it (the grammar still decides what is allowed)",
-        )
-        parser.add_argument(
-            "--grammar-sit-out",
-            action=argparse.BooleanOptionalAction,
-            default=defaults.grammar_sit_out,
-            help="overlap schedule: when a grammar worker's masks are late, its rows sit the decode step out (their "
-            "token is computed again next step) instead of the whole batch waiting; --no-grammar-sit-out: wait",
         )
         parser.add_argument(
             "--grammar-max-whitespace",

@@ -1,9 +1,7 @@
 """The scheduler's side of the grammar workers (gramserve/scheduler/grammar_client.py), against two stand-in shards
 (ZeroMQ sockets answered by the test): a request that takes the slot of one that stopped while its last fed fill
 was still running on another shard has its first fill asked only once that fill is answered, so the two fills
-cannot race to write the slot; with the fill already answered nothing waits. A wait for a step can give up on a
-late shard (its rows sit the step out) and names it; a fed step that would reuse the feed buffer of a step a shard
-has not answered waits for that answer first."""
+cannot race to write the slot; with the fill already answered nothing waits."""
 
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ import zmq
 
 from gramserve.config import LaunchInfo
 from gramserve.grammar.grammar_shm import create_grammar_shm
-from gramserve.grammar.token_feed import RING
 from gramserve.ipc import SCHEDULER_GRAMMAR_IN, grammar_inbox, pull_socket, push_socket
 from gramserve.messages import GrammarCompileReq, GrammarRequest, GrammarStepReq, GrammarStepResp
 from gramserve.scheduler.grammar_client import GrammarClient
@@ -98,51 +95,3 @@ def test_nothing_waits_once_the_fed_fill_is_answered(rig):
     pairs, step = client.masks_for([0], ["b"])
     assert pairs == [(0, 0)] and _recv(shards[1]).fill == [("b", 0)]
     assert client.timing["stale_slot_waits"] == 0
-
-
-def test_a_wait_gives_up_on_a_late_shard_and_names_it(rig):
-    client, shards, reply = rig
-    _start(client, shards, reply)  # shard 0 has not answered fed step 2
-    seen = []
-
-    def give_up(late):
-        seen.append(list(late))
-        return len(seen) >= 3
-
-    assert client.wait_or_give_up(2, give_up) == [0]
-    assert seen == [[0]] * 3
-    _answer(reply, 2, 0)
-    assert client.wait_or_give_up(2, lambda late: False) == []  # the answer came: nothing late, nothing given up
-
-
-def test_a_fed_step_waits_before_it_reuses_an_unread_feed_buffer(rig):
-    client, shards, reply = rig
-    grammar = GrammarRequest("json_object", "")
-    for rid in ("a", "b"):
-        client.compile(rid, grammar)
-    for sock in shards:
-        _recv(sock)
-    client.masks_for([0, 1], ["a", "b"])
-    for i, sock in enumerate(shards):
-        _answer(reply, _recv(sock).step, i)
-    first = client.announce_feed(2, [0, 1], ["a", "b"])  # shard 0 never answers this one (its rows sit out)
-    _recv(shards[0]), _answer(reply, _recv(shards[1]).step, 1)
-    step = first
-    while (step + 1) % RING != first % RING:  # "b" alone goes on, fed step after fed step
-        step = client.announce_feed(1, [0], ["b"])
-        _answer(reply, _recv(shards[1]).step, 1)
-    assert client.timing["ring_waits"] == 0
-    answered_at = []
-
-    def shard0_answers_late():
-        time.sleep(0.3)
-        answered_at.append(time.monotonic())
-        _answer(reply, first, 0)
-
-    late = threading.Thread(target=shard0_answers_late)
-    late.start()
-    reused = client.announce_feed(1, [0], ["b"])
-    sent_at = time.monotonic()
-    late.join()
-    assert reused % RING == first % RING and sent_at >= answered_at[0]
-    assert client.timing["ring_waits"] == 1

@@ -25,11 +25,9 @@ fed layout (`FedLayout`): the next step's (row, slot) pairs come without per-row
 `repeat_fed` instead of the same rows again; the worker reuses its rows of the last fed step (`FedRows`, kept
 in its `ShardState`).
 
-Layout (int64 words, at the start of the grammar segment, `grammar_shm.py`): `RING` buffers of `IDS + rows`
-words; step `s` uses buffer `s % RING`, whose word 0 is the step whose ids are in it and words 8.. the ids (the
-step number sits on its own cache line). Several steps' ids are in the feed at once because a late shard's rows
-may sit a step out (the scheduler samples the other rows meanwhile, `scheduler.py`); the scheduler does not
-publish into a buffer before every shard has answered the step it last held (`GrammarClient.announce_feed`).
+Layout (int64 words, at the start of the grammar segment, `grammar_shm.py`): word 0 = the step whose ids are
+in the feed; words 8.. = the ids (the step number sits on its own cache line). One step's ids are in the feed
+at a time: the next step cannot sample before its masks, filled after this step's ids were read, exist.
 """
 
 from __future__ import annotations
@@ -43,24 +41,14 @@ from gramserve.messages import GrammarStepReq
 
 SEQ = 0
 IDS = 8
-RING = 8  # feed buffers: a shard may answer up to RING - 1 fed steps late before the scheduler waits for it
 FEED_TIMEOUT_S = 60.0  # a step's ids are due within one forward; this only guards against a dead scheduler
 
 
 def feed_bytes(rows: int) -> int:
-    return RING * (IDS + rows) * 8
-
-
-def buffer_of(step: int, rows: int) -> int:
-    """The first word of the feed buffer that holds step `step`'s ids."""
-    return (step % RING) * (IDS + rows)
+    return (IDS + rows) * 8
 
 
 class FeedTimeout(RuntimeError):
-    pass
-
-
-class FeedOverwritten(RuntimeError):
     pass
 
 
@@ -74,7 +62,7 @@ class FeedWriter:
         """`words`: the feed (int64, shared memory); on CUDA it must be page-locked (`grammar_shm.page_lock`),
         so the GPU's copies into it are asynchronous DMA writes."""
         self._words = words
-        self.rows = words.shape[0] // RING - IDS
+        self.rows = words.shape[0] - IDS
         if device.type == "cuda":
             self._seq = torch.zeros(1, dtype=torch.int64, device=device)
 
@@ -83,8 +71,7 @@ class FeedWriter:
         n = token_ids.shape[0]
         if n > self.rows:
             return False
-        base = buffer_of(step, self.rows)
-        ids, seq = self._words[base + IDS : base + IDS + n], self._words[base + SEQ : base + SEQ + 1]
+        ids, seq = self._words[IDS : IDS + n], self._words[SEQ : SEQ + 1]
         if token_ids.device.type == "cuda":
             ids.copy_(token_ids, non_blocking=True)
             self._seq.fill_(step)
@@ -126,23 +113,18 @@ class FeedReader:
     def __init__(self, buf: memoryview, rows: int):
         self._bytes = buf[: feed_bytes(rows)]
         self._words = self._bytes.cast("q")
-        self.rows = rows
 
     def wait(self, step: int, positions: list[int], busy: bool, timeout_s: float) -> list[int]:
         """The ids at `positions` once step `step`'s ids are in the feed. Busy: poll without sleeping."""
-        words, base = self._words, buffer_of(step, self.rows)
-        seq = base + SEQ
-        if words[seq] < step:
+        words = self._words
+        if words[SEQ] < step:
             deadline = time.monotonic() + timeout_s
-            while words[seq] < step:
+            while words[SEQ] < step:
                 if time.monotonic() > deadline:
                     raise FeedTimeout(f"the ids of step {step} never reached the token feed")
                 if not busy:
                     time.sleep(20e-6)
-        ids = [words[base + IDS + p] for p in positions]
-        if words[seq] != step:  # the scheduler reused the buffer before this shard answered: a bug, never a guess
-            raise FeedOverwritten(f"the ids of step {step} were overwritten by step {words[seq]}'s")
-        return ids
+        return [words[IDS + p] for p in positions]
 
     def close(self) -> None:
         self._words.release()

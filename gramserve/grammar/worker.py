@@ -12,7 +12,6 @@ protocol), straight from the sampler.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -28,14 +27,6 @@ from gramserve.ipc import SCHEDULER_GRAMMAR_IN, exit_when_parent_dies, grammar_i
 from gramserve.messages import GrammarCompileReq, GrammarStepReq, GrammarStepResp
 
 logger = logging.getLogger(__name__)
-
-
-def test_fill_delay_s(shard: int) -> float:
-    """Tests only: `GRAMSERVE_TEST_SLOW_GRAMMAR_SHARD=shard:ms` makes that worker answer every fill that late (the
-    scheduler's handling of late masks is tested with it)."""
-    spec = os.environ.get("GRAMSERVE_TEST_SLOW_GRAMMAR_SHARD", "")
-    which, _, ms = spec.partition(":")
-    return float(ms) / 1e3 if spec and int(which) == shard else 0.0
 
 
 def worker_name(shard: int, shards: int) -> str:
@@ -91,7 +82,6 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
     poller.register(inbox, zmq.POLLIN)
     busy_until = 0.0  # poll without sleeping until then (GrammarStepReq.busy_poll_ms)
     state = ShardState()
-    delay_s = test_fill_delay_s(shard)
     try:
         while True:
             # Poll quickly while requests wait for compiles, so their results go out promptly (not for challengers:
@@ -103,8 +93,6 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
                         msg = inbox.recv_pyobj(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if delay_s and isinstance(msg, GrammarStepReq) and (msg.fill or msg.repeat_fed):
-                        time.sleep(delay_s)
                     handle(service, msg, to_scheduler, feed, shard, state)
                     if isinstance(msg, GrammarStepReq) and msg.busy_poll_ms:
                         busy_until = time.monotonic() + msg.busy_poll_ms / 1e3

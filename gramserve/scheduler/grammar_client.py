@@ -32,14 +32,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
 
 import torch
 import zmq
 
 from gramserve.config import ServerConfig
 from gramserve.grammar.grammar_shm import attach_grammar_shm, page_lock, page_unlock
-from gramserve.grammar.token_feed import RING, FedLayout, FeedWriter
+from gramserve.grammar.token_feed import FedLayout, FeedWriter
 from gramserve.histogram import Histogram
 from gramserve.ipc import SCHEDULER_GRAMMAR_IN, grammar_inbox, pull_socket, push_socket
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
@@ -86,7 +85,6 @@ class GrammarClient:
         self._slots = SlotTable(self.bitmask.shape[0])
         self._layout: FedLayout | None = None
         self._feed: FeedWriter | None = None
-        self._ring = [0] * RING  # the fed step whose ids each feed buffer holds last (token_feed.py)
         self._pinned = False
         # Poll for replies without sleeping (the scheduler sets it on a GPU, where the step is short and cores
         # are many): a round trip through a blocked process cost ~0.7 ms more on the H100 host (docs/benchmarks.md).
@@ -97,9 +95,7 @@ class GrammarClient:
         # fill_ms: accept + fill time in the grammar workers, summed over shards; apply_ms: masking the logits
         # (the scheduler's MaskApplier; the scheduler adds it here); loop_bans: rows whose mask the loop guard
         # narrowed (grammar/loop_guard.py); stale_slot_waits: fills held back until a reused slot's last fed fill
-        # landed (grammar_slots.py); sit_out_steps / sat_out_rows: steps that went on without a late shard, and its
-        # rows that sat them out (scheduler.py); ring_waits: fed steps held back until a late shard had read the
-        # feed buffer they reuse.
+        # landed (grammar_slots.py).
         self.timing = {
             "steps": 0,
             "fed_steps": 0,
@@ -110,9 +106,6 @@ class GrammarClient:
             "fill_ms": 0.0,
             "loop_bans": 0,
             "stale_slot_waits": 0,
-            "sit_out_steps": 0,
-            "sat_out_rows": 0,
-            "ring_waits": 0,
         }
         # Compile answers by source (messages.GrammarCompileResp.source; "failed": no backend took it) and by the
         # backend that serves them; the time of each compile that ran (or disk load); each shard reply's fill time.
@@ -288,10 +281,6 @@ class GrammarClient:
             self._layout = None
             self._slots.forget_fed(rids)
             return None
-        reused = self._ring[(self._step + 1) % RING]  # the step that the next one's feed buffer holds
-        if reused and not self._answered(reused):
-            self.timing["ring_waits"] += 1
-            self.wait(reused)
         lay = self._layout
         if lay is not None and rids == lay.rids and positions == lay.positions:
             step = self._send(None, repeat=lay.shards)
@@ -302,7 +291,6 @@ class GrammarClient:
             step = self._send(parts)
             lay = self._layout = FedLayout(rids, positions, slots, [i for i, (fill, _) in enumerate(parts) if fill])
         lay.step = step
-        self._ring[step % RING] = step
         self._slots.mark_fed(rids, step)
         self.timing["fed_steps"] += 1
         return step
@@ -340,28 +328,6 @@ class GrammarClient:
             elif not self._receive(block=True):
                 raise GrammarWorkerError(f"no mask from the grammar worker for step {step}")
         self.timing["wait_after_forward_ms"] += (time.perf_counter() - t0) * 1e3
-
-    def late_shards(self, step: int) -> list[int]:
-        """The shards that have not answered every step up to `step` sent to them."""
-        return [i for i, q in enumerate(self._unanswered) if q and q[0] <= step]
-
-    def wait_or_give_up(self, step: int, give_up: Callable[[list[int]], bool]) -> list[int]:
-        """Like `wait`, but stop waiting once `give_up(late shards)` says so; returns the shards given up on (their
-        masks of this step are not ready), [] if every shard answered."""
-        t0 = time.perf_counter()
-        late = self.late_shards(step)
-        while late and not give_up(late):
-            # Short polls, never a long block: the caller's give_up depends on time and on the device.
-            if self.busy_poll:
-                self._receive(block=False)
-            elif self.inbox.poll(0.2):
-                self._receive(block=False)
-            late = self.late_shards(step)
-        self.timing["wait_after_forward_ms"] += (time.perf_counter() - t0) * 1e3
-        return late
-
-    def shard_of(self, rid: str) -> int:
-        return self._shard_of.get(rid, 0)
 
     def take_rejected(self, rids) -> dict[str, tuple[str, int]]:
         """Which of `rids` their grammar failed since last asked, with why and the status: a token refused (an

@@ -11,10 +11,7 @@ sampling. Decode inputs are gathered on the device from `last_tokens`, so a batc
 input tokens reach the host. A request that finished in step N still runs in step N+1; that row is dropped.
 Constrained rows: this step's masks depend on the previous step's tokens. The sampler hands those tokens to
 the grammar process itself (the token feed, `grammar/token_feed.py`), which accepts them and fills the next
-masks while the scheduler launches the next forward and does its own bookkeeping. In a decode step, the rows of a
-grammar worker whose masks are still late once the forward is done *sit the step out* (`--grammar-sit-out`):
-they sample nothing, their KV slot of the step goes back, and the next step computes the same position again,
-while every other row samples at once (`_late_rows`).
+masks while the scheduler launches the next forward and does its own bookkeeping.
 """
 
 from __future__ import annotations
@@ -53,9 +50,6 @@ class _Forward:
     logits: torch.Tensor
     grammar: _Masks | None  # plain schedule: the masks asked for before the forward
     pool_rows: torch.Tensor  # the requests' slot-table rows, on the device
-    decode: bool = False  # a decode batch: one new token per row
-    kv_slots: torch.Tensor | None = None  # decode: each row's new KV slot (device)
-    done: torch.cuda.Event | None = None  # CUDA, decode: recorded after the forward
 
 
 @dataclass
@@ -159,9 +153,6 @@ class Scheduler:
         # LoRA or images, whose prefill batches carry per-request extras that decode rows do not have.
         self.mixed_decode = settings.mixed_decode and self.lora is None and encoder is None
         self.phases = StepPhases()
-        self.sit_out = self.overlap and args.grammar_sit_out and grammar is not None
-        self._decode_ms = 0.0  # the decode step's period, smoothed (the sit-out rule weighs waits against it)
-        self._last_decode_at = 0.0
 
     # --- arrival --------------------------------------------------------------------------------
 
@@ -334,13 +325,7 @@ class Scheduler:
                     self.running.append(req)
             if self.lora is not None:  # rows of one adapter side by side: one segment each in decode batches
                 self.running.sort(key=lambda r: r.lora_slot)
-        fwd = _Forward(reqs, sampling, logits, grammar, batch.req_pool_indices)
-        if not picked and self.sit_out:
-            fwd.decode, fwd.kv_slots = True, batch.out_cache_loc
-            if self.device.type == "cuda":
-                fwd.done = torch.cuda.Event()
-                fwd.done.record()
-        return fwd
+        return _Forward(reqs, sampling, logits, grammar, batch.req_pool_indices)
 
     def _riders(self, picked: list[tuple[Req, int]]) -> list[Req]:
         """The running requests that decode inside this prefill step (`mixed_decode`): all of them, if the KV pool
@@ -394,28 +379,15 @@ class Scheduler:
             if grammar is not None:
                 self._apply_grammar(fwd, grammar)
             return _Sampled([], PendingSample(torch.empty(0, dtype=torch.long)))
-        waited = False
-        if grammar is not None and fwd.decode:
-            # Rows of requests that finished meanwhile are dropped anyway (their KV went back already).
-            late = self._late_rows(fwd, grammar).intersection(rows)
-            waited = True
-            if late:
-                rows = [i for i in rows if i not in late]
-                grammar = _Masks(grammar.step, [(i, slot) for i, slot in grammar.pairs if i not in late])
-                self._sit_out(fwd, sorted(late))
-                self.grammar.timing["sit_out_steps"] += 1
-                self.grammar.timing["sat_out_rows"] += len(late)
-                if not rows:
-                    return _Sampled([], PendingSample(torch.empty(0, dtype=torch.long)))
         reqs = fwd.reqs if len(rows) == len(fwd.reqs) else [fwd.reqs[i] for i in rows]
         feed_step = None
         if self.grammar is not None and self.grammar.feeding:
-            # Announced before the ids exist, so the grammar processes know the rows when they land.
+            # Announced before the wait below, so the grammar processes know the rows before the ids land.
             positions = [pos for pos, r in enumerate(reqs) if r.grammar_started]
             feed_step = self.grammar.announce_feed(len(reqs), positions, [reqs[p].rid for p in positions])
             self.phases.lap("grammar_feed")
         if grammar is not None:
-            self._apply_grammar(fwd, grammar, wait=not waited)
+            self._apply_grammar(fwd, grammar)
             self.phases.lap("grammar_apply")
         logits = fwd.logits if len(rows) == len(fwd.reqs) else fwd.logits[self.batches.to_device(rows)]
         if all(r.plain_greedy for r in reqs):
@@ -467,47 +439,8 @@ class Scheduler:
         self.phases.lap("record_tokens")
         return got
 
-    def _late_rows(self, fwd: _Forward, masks: _Masks) -> set[int]:
-        """Wait for this decode step's masks until the forward is done, then a while longer: as long as the wait
-        costs the batch less than sitting out would cost the late rows (each loses a step), i.e. until the wait
-        reaches (late rows / rows) x the step's period. Returns the logits rows of the shards still late then."""
-        now = time.perf_counter()
-        if self._last_decode_at and now - self._last_decode_at < 1.0:
-            period = (now - self._last_decode_at) * 1e3
-            self._decode_ms = period if not self._decode_ms else 0.8 * self._decode_ms + 0.2 * period
-        self._last_decode_at = now
-        shard_rows: dict[int, list[int]] | None = None
-        done_at = None
-
-        def give_up(late: list[int]) -> bool:
-            nonlocal shard_rows, done_at
-            if done_at is None:
-                if fwd.done is not None and not fwd.done.query():
-                    return False
-                done_at = time.perf_counter()
-            if shard_rows is None:
-                shard_rows = {}
-                for i, slot in masks.pairs:
-                    shard_rows.setdefault(self.grammar.shard_of(fwd.reqs[i].rid), []).append(i)
-            late_rows = sum(len(shard_rows.get(s, ())) for s in late)
-            share = late_rows / max(len(masks.pairs), 1)
-            return (time.perf_counter() - done_at) * 1e3 >= share * self._decode_ms
-
-        late = self.grammar.wait_or_give_up(masks.step, give_up)
-        if not late or shard_rows is None:
-            return set()
-        return {i for s in late for i in shard_rows.get(s, ())}
-
-    def _sit_out(self, fwd: _Forward, rows: list[int]) -> None:
-        """These decode rows sample nothing this step: their KV slot of the step goes back and their position is
-        computed again next step, from the same input token (`last_tokens` keeps it)."""
-        for i in rows:
-            fwd.reqs[i].kv_len -= 1
-        self.kv.allocator.free(fwd.kv_slots[self.batches.to_device(rows)])
-
-    def _apply_grammar(self, fwd: _Forward, masks: _Masks, wait: bool = True) -> None:
-        if wait:
-            self.grammar.wait(masks.step)
+    def _apply_grammar(self, fwd: _Forward, masks: _Masks) -> None:
+        self.grammar.wait(masks.step)
         rejected = self.grammar.take_rejected(r.rid for r in fwd.reqs)
         for req in fwd.reqs if rejected else ():
             if req.rid in rejected and req.finished is None:
