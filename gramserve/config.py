@@ -164,6 +164,7 @@ class ServerArgs:
     grammar_schema_in_prompt: bool = False
     # JSON outputs: ban the token that would continue an exact loop (grammar/loop_guard.py); outputs stay valid
     grammar_loop_guard: bool = True
+    grammar_share_fills: bool = True  # rows in one matcher state fill once a step (grammar/shared_fills.py)
     grammar_max_depth: int = 64  # deepest JSON nesting accepted in a schema
     # Function calling and reasoning
     chat_template: str | None = None  # a Jinja file or template text replacing the tokenizer's
@@ -472,6 +473,13 @@ class ServerArgs:
             default=defaults.grammar_loop_guard,
             help="JSON outputs (response_format, tools): when the output repeats one span of tokens over and over, "
             "ban the token that would continue it (the grammar still decides what is allowed)",
+        )
+        parser.add_argument(
+            "--grammar-share-fills",
+            action=argparse.BooleanOptionalAction,
+            default=defaults.grammar_share_fills,
+            help="fill the mask of rows in the same grammar state (one grammar, the same tokens so far) once a step "
+            "and copy it to the others",
         )
         parser.add_argument(
             "--grammar-max-whitespace",

@@ -15,7 +15,8 @@ accepts the grammar (llguidance: about 1 ms to compile) as soon as it compiles. 
 *challenger* flight on a thread of its own that no request waits for), it measures what those masks cost to fill
 (``fill_probe``); only above ``SWITCH_FILL_US`` does it compile the next backend too and measure both over a long
 walk, and later requests for the grammar get the cheaper of the two. The choice is cached per (kind, text). A step's
-mask rows are filled in batches per backend on ``fill_threads`` threads (see ``fill``).
+mask rows are filled in batches per backend on ``fill_threads`` threads (see ``fill``); rows in one matcher state
+are filled once (``shared_fills``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from gramserve.grammar.fill_probe import probe_fill_us
 from gramserve.grammar.json_shape import JsonTokens
 from gramserve.grammar.loop_guard import DigitTokens, LoopGuard
 from gramserve.grammar.schema_relax import dropped_keywords, relaxable
+from gramserve.grammar.shared_fills import StateKeys
 from gramserve.grammar.unique_arrays import unique_arrays
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
 
@@ -135,6 +137,7 @@ class GrammarService:
         cache_dir: str = "",
         relax: bool = True,
         challenge_when_idle: bool = False,
+        share_fills: bool = True,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -156,6 +159,8 @@ class GrammarService:
         self.failures = LRU(cache_size)
         self.matchers: dict[str, Matcher] = {}
         self.loop_guards: dict[str, LoopGuard] = {}  # rid -> its guard (options.loop_guard, JSON kinds)
+        # Rows in one matcher state fill once a step (shared_fills.py); None: every row fills.
+        self.state_keys = StateKeys() if share_fills else None
         self.digit_tokens = DigitTokens.of(tokenizer) if options.loop_guard else None
         self.json_tokens = JsonTokens.of(tokenizer, vocab_size) if options.loop_guard else None
         self.pending: dict[tuple[str, str, str], _Flight] = {}  # compiles in flight, by key
@@ -337,6 +342,8 @@ class GrammarService:
     ) -> GrammarCompileResp:
         try:
             self.matchers[rid] = self.backend(backend).matcher(compiled)
+            if self.state_keys is not None:
+                self.state_keys.start(rid, (backend, grammar.kind, grammar.text))
             if self.options.loop_guard and grammar.kind in LOOP_GUARDED_KINDS:
                 # the JSON's shape is followed in whole-JSON outputs (a tool-call grammar has free text around)
                 shape = self.json_tokens if grammar.kind in SHAPE_WATCHED_KINDS else None
@@ -491,6 +498,8 @@ class GrammarService:
             f.rids.remove(rid)
         self.matchers.pop(rid, None)
         self.loop_guards.pop(rid, None)
+        if self.state_keys is not None:
+            self.state_keys.forget(rid)
 
     def close(self) -> None:
         """Stop the compile workers and threads (running compile threads finish in the background)."""
@@ -507,13 +516,18 @@ class GrammarService:
         rejected = []
         for rid in req.free:
             self.abort(rid)
-        guards = self.loop_guards
+        guards, keys = self.loop_guards, self.state_keys
         for rid, token in req.accept:
             m = self.matchers.get(rid)
             if m is None or not m.accept_token(token):
                 rejected.append(rid)
-            elif (guard := guards.get(rid)) is not None:
+                if keys is not None:
+                    keys.forget(rid)
+                continue
+            if (guard := guards.get(rid)) is not None:
                 guard.accept(token)
+            if keys is not None:
+                keys.accept(rid, token)
         rows, rids = [], []
         for rid, row in req.fill:
             m = self.matchers.get(rid)
@@ -523,23 +537,43 @@ class GrammarService:
                 continue
             rows.append((m, row))
             rids.append(rid)
-        fill_rows(rows, self.bitmask, self.fill_pool)
-        loop_bans = 0
-        if guards:
-            for rid, (_, row) in zip(rids, rows):
-                guard = guards.get(rid)
-                if guard is None:
-                    continue
-                if banned := guard.banned():
-                    loop_bans += ban_tokens(self.bitmask[row], banned)
-                keep, drop = guard.narrowing()
-                if keep is not None:
-                    loop_bans += keep_only(self.bitmask[row], keep)
-                if drop is not None:
-                    loop_bans += drop_tokens(self.bitmask[row], drop)
+        filled, copies = keys.split(rids) if keys is not None and len(rids) > 1 else (range(len(rids)), [])
+        loop_bans = self._fill([(rids[i], rows[i]) for i in filled])
+        if copies:
+            # A row whose first fill failed (a backend limit) is not copied: each matcher meets the failure itself.
+            again = []
+            for i, j in copies:
+                leader, leader_row = rows[j]
+                if leader.error():
+                    again.append((rids[i], rows[i]))
+                else:
+                    self.bitmask[rows[i][1]].copy_(self.bitmask[leader_row])
+            loop_bans += self._fill(again)
         failed = {rid: why for rid, (m, _) in zip(rids, rows) if (why := m.error())}
         ms = (time.perf_counter() - t0) * 1e3
-        return GrammarStepResp(req.step, rejected, ms, failed=failed, loop_bans=loop_bans)
+        return GrammarStepResp(req.step, rejected, ms, failed=failed, loop_bans=loop_bans, shared_fills=len(copies))
+
+    def _fill(self, items: list[tuple[str, tuple[Matcher, int]]]) -> int:
+        """Fill these (rid, (matcher, row)) rows and narrow them by their loop guards; returns the rows narrowed."""
+        if not items:
+            return 0
+        fill_rows([mr for _, mr in items], self.bitmask, self.fill_pool)
+        guards = self.loop_guards
+        if not guards:
+            return 0
+        loop_bans = 0
+        for rid, (_, row) in items:
+            guard = guards.get(rid)
+            if guard is None:
+                continue
+            if banned := guard.banned():
+                loop_bans += ban_tokens(self.bitmask[row], banned)
+            keep, drop = guard.narrowing()
+            if keep is not None:
+                loop_bans += keep_only(self.bitmask[row], keep)
+            if drop is not None:
+                loop_bans += drop_tokens(self.bitmask[row], drop)
+        return loop_bans
 
 
 def _add_lanes(backend: GrammarBackend, compiled) -> None:

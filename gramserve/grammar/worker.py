@@ -68,6 +68,7 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
             relax=args.grammar_relax,
             # On a CPU the forward is CPU work too: no background comparisons beside it.
             challenge_when_idle=settings.device == "cpu",
+            share_fills=args.grammar_share_fills,
         )
         feed = FeedReader(shared.shm.buf, settings.max_running_requests)
     except Exception as exc:  # noqa: BLE001 - reported to the launcher

@@ -95,7 +95,8 @@ class GrammarClient:
         # fill_ms: accept + fill time in the grammar workers, summed over shards; apply_ms: masking the logits
         # (the scheduler's MaskApplier; the scheduler adds it here); loop_bans: rows whose mask the loop guard
         # narrowed (grammar/loop_guard.py); stale_slot_waits: fills held back until a reused slot's last fed fill
-        # landed (grammar_slots.py).
+        # landed (grammar_slots.py); shared_fills: rows that copied the mask of a row in the same matcher state
+        # (grammar/shared_fills.py).
         self.timing = {
             "steps": 0,
             "fed_steps": 0,
@@ -106,6 +107,7 @@ class GrammarClient:
             "fill_ms": 0.0,
             "loop_bans": 0,
             "stale_slot_waits": 0,
+            "shared_fills": 0,
         }
         # Compile answers by source (messages.GrammarCompileResp.source; "failed": no backend took it) and by the
         # backend that serves them; the time of each compile that ran (or disk load); each shard reply's fill time.
@@ -362,6 +364,7 @@ class GrammarClient:
         self.timing["replies"] += 1
         self.timing["fill_ms"] += resp.fill_ms
         self.timing["loop_bans"] += resp.loop_bans
+        self.timing["shared_fills"] += resp.shared_fills
         self.fill_hist.observe(resp.fill_ms)
 
     def _count_compile(self, resp: GrammarCompileResp) -> None:
