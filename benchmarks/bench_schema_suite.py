@@ -92,8 +92,11 @@ class Grammar:
                 value = json.loads(text)
             except ValueError as e:
                 return f"not JSON: {e}"
+            # The schema's own draft and its formats (jsonschema.FormatChecker() holds every draft's, and draft 3's
+            # "time" is strptime's "%H:%M:%S": it refuses RFC 3339 times with fractions or offsets).
+            cls = jsonschema.validators.validator_for(self.grammar, default=jsonschema.Draft202012Validator)
             try:
-                jsonschema.validate(value, self.grammar, format_checker=jsonschema.FormatChecker())
+                cls(self.grammar, format_checker=cls.FORMAT_CHECKER).validate(value)
             except jsonschema.ValidationError as e:
                 return f"invalid: {e.message[:200]}"
             except jsonschema.SchemaError:
