@@ -51,6 +51,7 @@ from gramserve.grammar.schema_relax import dropped_keywords, relaxable
 from gramserve.grammar.shared_fills import StateKeys
 from gramserve.grammar.unique_arrays import unique_arrays
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
+from gramserve.sampling.bitmask import allocate_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ class GrammarService:
         self.loop_guards: dict[str, LoopGuard] = {}  # rid -> its guard (options.loop_guard, JSON kinds)
         # Rows in one matcher state fill once a step (shared_fills.py); None: every row fills.
         self.state_keys = StateKeys() if share_fills else None
+        self._scratch: torch.Tensor | None = None  # one bitmask row for masks computed off the shared bitmask
         self.digit_tokens = DigitTokens.of(tokenizer) if options.loop_guard else None
         self.json_tokens = JsonTokens.of(tokenizer, vocab_size) if options.loop_guard else None
         self.pending: dict[tuple[str, str, str], _Flight] = {}  # compiles in flight, by key
@@ -513,14 +515,19 @@ class GrammarService:
     def step(self, req: GrammarStepReq) -> GrammarStepResp:
         t0 = time.perf_counter()
         self.last_active = time.monotonic()
-        rejected = []
+        rejected, failed = [], {}
         for rid in req.free:
             self.abort(rid)
         guards, keys = self.loop_guards, self.state_keys
         for rid, token in req.accept:
             m = self.matchers.get(rid)
             if m is None or not m.accept_token(token):
-                rejected.append(rid)
+                # A backend limit hit while the token was checked fails the request as too complex (a 400), as one
+                # hit while filling does; any other refusal is an internal error.
+                if m is not None and (why := self._limit_hit(m)):
+                    failed[rid] = why
+                else:
+                    rejected.append(rid)
                 if keys is not None:
                     keys.forget(rid)
                 continue
@@ -549,9 +556,22 @@ class GrammarService:
                 else:
                     self.bitmask[rows[i][1]].copy_(self.bitmask[leader_row])
             loop_bans += self._fill(again)
-        failed = {rid: why for rid, (m, _) in zip(rids, rows) if (why := m.error())}
+        failed.update((rid, why) for rid, (m, _) in zip(rids, rows) if (why := m.error()))
         ms = (time.perf_counter() - t0) * 1e3
         return GrammarStepResp(req.step, rejected, ms, failed=failed, loop_bans=loop_bans, shared_fills=len(copies))
+
+    def _limit_hit(self, m: Matcher) -> str | None:
+        """Why a matcher that refused a token is past a backend limit, or None. llguidance's token check can refuse
+        a token on a limit without entering its error state (a mask computation does), so one is computed here."""
+        if (why := m.error()) is not None:
+            return why
+        if self._scratch is None:
+            self._scratch = allocate_bitmask(1, self.vocab_size)
+        try:
+            m.fill_bitmask(self._scratch, 0)
+        except Exception:  # noqa: BLE001 - the refusal stands as it was
+            return None
+        return m.error()
 
     def _fill(self, items: list[tuple[str, tuple[Matcher, int]]]) -> int:
         """Fill these (rid, (matcher, row)) rows and narrow them by their loop guards; returns the rows narrowed."""
