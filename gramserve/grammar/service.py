@@ -553,8 +553,10 @@ class GrammarService:
                 leader, leader_row = rows[j]
                 if leader.error():
                     again.append((rids[i], rows[i]))
-                else:
-                    self.bitmask[rows[i][1]].copy_(self.bitmask[leader_row])
+                    continue
+                self.bitmask[rows[i][1]].copy_(self.bitmask[leader_row])
+                if (guard := self.loop_guards.get(rids[i])) is not None:
+                    guard.banned()  # its bookkeeping (bans it remembers, items being copied) as the filled row's
             loop_bans += self._fill(again)
         failed.update((rid, why) for rid, (m, _) in zip(rids, rows) if (why := m.error()))
         ms = (time.perf_counter() - t0) * 1e3
