@@ -179,6 +179,10 @@ def test_auto_falls_back(base_url, model_name):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "ok"
 
 
+def _schema_body(schema: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+
+
 @pytest.mark.parametrize(
     "body,fragment",
     [
@@ -194,6 +198,14 @@ def test_auto_falls_back(base_url, model_name):
         ({"regex": "a", "ebnf": 'root ::= "a"'}, "at most one"),
         ({"guided_choice": []}, "non-empty"),
         ({"grammar_backend": "nope", "regex": "a"}, "grammar_backend"),
+        # Schemas no backend can serve (grammar/schema_checks.py): before, each was served and ended "stop" or
+        # "invalid_output" with an output that broke it, or unchecked.
+        (_schema_body({"type": []}), "invalid at /type"),
+        (_schema_body({"enum": []}), "empty enum"),
+        (_schema_body({"type": "object", "properties": {"a": {"type": "string", "pattern": "(["}}}), "/properties/a"),
+        (_schema_body({"type": "object", "required": "a"}), "invalid at /required"),
+        (_schema_body({"type": "number", "multipleOf": -3}), "invalid at /multipleOf"),
+        (_schema_body({"type": "integer", "minimum": 10**30, "maximum": 10**31}), "64-bit"),
     ],
 )
 def test_bad_constraints_are_400(base_url, model_name, body, fragment):
@@ -217,6 +229,37 @@ def test_bad_constraints_are_400(base_url, model_name, body, fragment):
         },
     )
     assert r.status_code == 400
+
+
+def test_top_logprobs_of_constrained_outputs_list_only_allowed_tokens(base_url, model_name):
+    """Alternatives the grammar masked out have logprob -inf: they are not listed (a row may list fewer than asked).
+    Before, the JSON encoding of -inf failed the response with a 500 (and streams listed them with null)."""
+    choice = ["yes", "no"]
+    ask = [{"role": "user", "content": "hi"}]
+    chat = {"model": model_name, "messages": ask, "max_tokens": 5, "guided_choice": choice, "logprobs": True}
+    for stream in (False, True):
+        body = {**chat, "top_logprobs": 5, "stream": stream}
+        r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            lps = [ch.get("logprobs") or {} for e in events for ch in e["choices"]]
+            content = [c for lp in lps for c in lp.get("content") or []]
+        else:
+            content = r.json()["choices"][0]["logprobs"]["content"]
+        assert content
+        for entry in content:
+            assert entry["top_logprobs"] and all(t["logprob"] is not None for t in entry["top_logprobs"]), entry
+            assert all(t["logprob"] > -1e30 for t in entry["top_logprobs"])
+        # The first token is "y" or "n" (or a longer prefix of an answer): every alternative starts an answer.
+        assert all(any(c.startswith(t["token"]) for c in choice) for t in content[0]["top_logprobs"]), content[0]
+    comp = {"model": model_name, "prompt": "hi", "max_tokens": 5, "guided_choice": choice, "logprobs": 3}
+    r = httpx.post(base_url + "/v1/completions", json=comp, timeout=60)
+    assert r.status_code == 200, r.text
+    assert all(len(top) <= 3 for top in r.json()["choices"][0]["logprobs"]["top_logprobs"])
+    native = {"text": "hi", "sampling_params": {"max_new_tokens": 5, "choice": choice}, "return_logprob": True}
+    r = httpx.post(base_url + "/generate", json={**native, "top_logprobs_num": 3}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_schema_limits(base_url, model_name):

@@ -26,6 +26,9 @@ class SamplingRow:
     suppress_ids: tuple[int, ...] = ()  # ids banned this step (EOS / stop ids before min_tokens)
 
 
+NEG_INF = float("-inf")
+
+
 @dataclass
 class SampleResult:
     token_ids: list[int]
@@ -67,8 +70,10 @@ class PendingSample:
         logprobs = lp.tolist() if lp is not None else None
         top = None
         if logprobs is not None:
+            # Tokens a grammar mask, a ban or a -100 bias ruled out have logprob -inf: they are no alternative (and
+            # -inf is not JSON), so a row may list fewer than the asked number.
             top = (
-                [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+                [[(t, x) for t, x in zip(i, v) if x != NEG_INF] for i, v in zip(top_i.tolist(), top_v.tolist())]
                 if self.want_top
                 else [[] for _ in logprobs]
             )
