@@ -361,6 +361,8 @@ def test_history_with_tool_results(client, model_name):
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER, WEATHER]}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1, 2]}}]}, "tools"),
+        # Arguments are a JSON object: a non-object schema gave "required" a turn with no call, its markup as text.
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}]}, "tools"),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None),
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, None),

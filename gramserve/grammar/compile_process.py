@@ -42,6 +42,7 @@ from gramserve.grammar.backends._structural_tag import normalize as normalize_ta
 from gramserve.grammar.backends.base import GrammarBackend, GrammarCompileError, GrammarOptions, GrammarSpec
 from gramserve.grammar.disk_cache import PERSISTED_BACKENDS, DiskCache, backend_fingerprint
 from gramserve.grammar.schema_audit import beyond_regular, unenforced
+from gramserve.grammar.schema_checks import SchemaProblem, schema_problem
 from gramserve.grammar.schema_normalize import (
     anchor_patterns,
     bound_unbounded,
@@ -71,6 +72,8 @@ def compile_grammar(backend: GrammarBackend, grammar: GrammarRequest, relaxed: b
     compiles the closest enforceable schema instead (schema_relax.py); its outputs need the server's last check.
     The JSON schemas inside a structural tag (tool-call arguments) are normalized, audited and relaxed alike."""
     text = grammar.text
+    if problem := _schema_problem(grammar):
+        raise SchemaProblem(problem)
     if grammar.kind == "json_schema":
         text = _normalized_schema(text, backend, relaxed)
     elif grammar.kind == "structural_tag":
@@ -79,6 +82,29 @@ def compile_grammar(backend: GrammarBackend, grammar: GrammarRequest, relaxed: b
     if error:
         raise GrammarCompileError(error)
     return backend.compile(GrammarSpec(grammar.kind, text))
+
+
+def _schema_problem(grammar: GrammarRequest) -> str | None:
+    """Why a JSON schema of the grammar (the schema itself, or one inside a structural tag) cannot be served."""
+    if grammar.kind == "json_schema":
+        return schema_problem(grammar.text) if _is_json(grammar.text) else None
+    if grammar.kind == "structural_tag":
+        try:
+            schemas = tag_schemas(grammar.text)
+        except GrammarCompileError:
+            return None  # the backend reports what is wrong with the tag
+        for schema in schemas:
+            if problem := schema_problem(json.dumps(schema, ensure_ascii=False)):
+                return f"a JSON schema of the structural tag: {problem}"
+    return None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False  # the backend reports the syntax error
+    return True
 
 
 def audit_error(backend_name: str, grammar: GrammarRequest) -> str | None:

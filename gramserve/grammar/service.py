@@ -47,6 +47,7 @@ from gramserve.grammar.fill import FillPool, fill_rows
 from gramserve.grammar.fill_probe import probe_fill_us
 from gramserve.grammar.json_shape import JsonTokens
 from gramserve.grammar.loop_guard import DigitTokens, LoopGuard
+from gramserve.grammar.schema_checks import SchemaProblem
 from gramserve.grammar.schema_relax import dropped_keywords, relaxable
 from gramserve.grammar.shared_fills import StateKeys
 from gramserve.grammar.unique_arrays import unique_arrays
@@ -369,6 +370,10 @@ class GrammarService:
                 del self.pending[f.key]
                 try:
                     result: CompileResult = fut.result()
+                except SchemaProblem as exc:  # no backend can serve it: the other candidates are not tried
+                    self.failures.put(key, str(exc))
+                    f.candidates.clear()
+                    f.errors = [str(exc)]
                 except GrammarCompileError as exc:
                     self.failures.put(key, str(exc))
                     if str(exc) != NOTHING_TO_RELAX:  # the exact candidates' errors already say why

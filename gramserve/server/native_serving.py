@@ -77,7 +77,7 @@ class NativeServing:
         fields = {k: sampling.pop(k) for k in list(sampling) if k in NATIVE_GRAMMAR_KEYS}
         grammar = grammar_from_fields(fields, self.args)
         params = native_sampling_params(sampling, tm.vocab_size)
-        check_prompt(input_ids, params.max_new_tokens, tm.vocab_size, tm.context_length)
+        check_prompt(input_ids, params.max_new_tokens, tm.vocab_size, tm.context_length, "prompt")
         return NativeSetup(input_ids, params, grammar)
 
     async def _outputs(self, req: P.GenerateRequest, is_disconnected, whole: bool) -> AsyncIterator[GenerateOutput]:

@@ -113,8 +113,8 @@ class OpenAIServing:
             return await self.tm.off_loop(setup, req)
         return setup(req)
 
-    def _check_prompt(self, input_ids: list[int], params: SamplingParams) -> None:
-        check_prompt(input_ids, params.max_new_tokens, self.tm.vocab_size, self.tm.context_length)
+    def _check_prompt(self, input_ids: list[int], params: SamplingParams, param: str = "messages") -> None:
+        check_prompt(input_ids, params.max_new_tokens, self.tm.vocab_size, self.tm.context_length, param)
 
     async def _merged(
         self,
@@ -453,7 +453,7 @@ class OpenAIServing:
         if req.stream and len(prompts) != 1:
             raise InvalidRequestError("streaming supports a single prompt", "prompt")
         for ids in prompts:  # every prompt before any is sent
-            self._check_prompt(ids, params)
+            self._check_prompt(ids, params, "prompt")
         return CompletionSetup(prompts, params, grammar, lora)
 
     def _completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> P.CompletionLogprobs:

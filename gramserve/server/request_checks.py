@@ -51,8 +51,11 @@ def check_native_prompt(req: P.GenerateRequest) -> None:
         raise InvalidRequestError("give exactly one of text or input_ids", "text")
 
 
-def check_prompt(input_ids: list[int], max_new_tokens: int | None, vocab_size: int, context_length: int) -> None:
-    """The prompt the engine will run: non-empty, ids inside the vocabulary, and room for the completion."""
+def check_prompt(
+    input_ids: list[int], max_new_tokens: int | None, vocab_size: int, context_length: int, param: str = "messages"
+) -> None:
+    """The prompt the engine will run: non-empty, ids inside the vocabulary, and room for the completion. `param`:
+    the request field that holds the prompt."""
     n = len(input_ids)
     if n == 0:
         raise InvalidRequestError("the prompt is empty", "prompt")
@@ -61,7 +64,7 @@ def check_prompt(input_ids: list[int], max_new_tokens: int | None, vocab_size: i
     if n >= context_length:
         raise InvalidRequestError(
             f"This model's maximum context length is {context_length} tokens. However, your prompt has {n} tokens.",
-            "messages",
+            param,
         )
     if max_new_tokens is not None and n + max_new_tokens > context_length:
         raise InvalidRequestError(

@@ -1,0 +1,115 @@
+"""Checks of a JSON schema that no backend can serve correctly, run with its compile (off the request path: the
+metaschema check of a large schema takes tens of ms): the request gets a 400 that says where, instead of a compile
+that goes through and outputs that cannot validate (or cannot be checked).
+
+- The schema against its draft's metaschema, for structure only (`"required": "a"`, `"multipleOf": -3`,
+  `"type": []`). Formats are left out: the metaschema's "regex" format is Python's `re`, which refuses ECMA-262
+  classes such as `\\p{L}` that real schemas use (290 of the held-out CloudFormation schemas); patterns are compiled
+  below instead. A repeated enum value or required name is let through: it is harmless.
+- `enum: []`: no value is valid (the metaschema allows it).
+- Patterns (`pattern`, `patternProperties` names) that do not compile with the `regex` module, which the output
+  check matches patterns with (UTF-16 surrogate pairs written as escapes read as the one character they make).
+- Integer ranges that lie wholly past 64 bits: the backends clamp integer bounds to 64 bits and would write a
+  value outside the range.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import regex
+
+from gramserve.grammar.backends.base import GrammarCompileError
+
+
+class SchemaProblem(GrammarCompileError):
+    """The schema itself cannot be served, whichever backend compiles it."""
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+_ONE = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames")
+_ONE += ("unevaluatedItems", "unevaluatedProperties", "additionalItems")
+_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+
+
+@functools.lru_cache(maxsize=256)
+def schema_problem(schema_text: str) -> str | None:
+    """Why the schema (JSON text) cannot be served, or None."""
+    schema = json.loads(schema_text)
+    if not isinstance(schema, dict):
+        return None
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    for error in cls(cls.META_SCHEMA).iter_errors(schema):
+        if error.validator != "uniqueItems":
+            return f"the JSON schema is invalid at {_pointer(error.absolute_path)}: {error.message[:300]}"
+    for node, path in _subschemas(schema, ()):
+        if node.get("enum") == []:
+            return f"the JSON schema at {_pointer(path)} has an empty enum, which no value satisfies"
+        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += list(node["patternProperties"])
+        for pattern in patterns:
+            try:
+                regex.compile(_SURROGATE_PAIR.sub(_code_point, pattern))
+            except regex.error as exc:
+                return f"the JSON schema at {_pointer(path)} has a pattern that does not compile ({exc}): {pattern!r}"
+        if _integer_range_past_64_bits(node):
+            return f"the JSON schema at {_pointer(path)} asks for an integer range beyond 64-bit integers"
+    return None
+
+
+# ECMA-262 patterns may write a character past U+FFFF as its UTF-16 pair (`\uD800\uDC00`), which the `regex`
+# module reads as two surrogates (then a range from the one to the other is out of order).
+_SURROGATE_PAIR = regex.compile(r"\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})", regex.IGNORECASE)
+
+
+def _code_point(m: regex.Match) -> str:
+    high, low = int(m.group(1), 16), int(m.group(2), 16)
+    return f"\\U{0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00):08x}"
+
+
+def _subschemas(node: Any, path: tuple) -> Iterator[tuple[dict, tuple]]:
+    """Every schema object in `node` (itself included), with its path, keyword by keyword (a property named
+    "pattern" is a name, not the keyword)."""
+    stack = [(node, path)]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        yield node, path
+        for key in _ONE:
+            if isinstance(node.get(key), dict):
+                stack.append((node[key], (*path, key)))
+        for key in _LIST:
+            if isinstance(node.get(key), list):
+                stack.extend((sub, (*path, key, i)) for i, sub in enumerate(node[key]))
+        for key in _MAP:
+            if isinstance(node.get(key), dict):
+                stack.extend((sub, (*path, key, name)) for name, sub in node[key].items())
+
+
+def _integer_range_past_64_bits(node: dict) -> bool:
+    types = node.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "integer" not in types or "number" in types:  # a number may be that large
+        return False
+
+    def bound(key: str) -> float | int | None:
+        value = node.get(key)
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    low_past = bound("minimum") is not None and bound("minimum") > INT64_MAX
+    low_past |= bound("exclusiveMinimum") is not None and bound("exclusiveMinimum") >= INT64_MAX
+    high_past = bound("maximum") is not None and bound("maximum") < INT64_MIN
+    high_past |= bound("exclusiveMaximum") is not None and bound("exclusiveMaximum") <= INT64_MIN
+    return low_past or high_past
+
+
+def _pointer(path) -> str:
+    return "/" + "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in path)

@@ -1,0 +1,84 @@
+"""Schemas no backend can serve are refused with a message that says where (grammar/schema_checks.py), and real
+schemas are not: a sample of the dev corpus passes, as do ECMA-262 patterns that Python's `re` refuses (Unicode
+classes, characters past U+FFFF written as UTF-16 pairs). The HTTP answers (400) are in test_structured_outputs.py
+and test_tool_calling.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gramserve.grammar.compile_process import _schema_problem
+from gramserve.grammar.schema_checks import schema_problem
+from gramserve.messages import GrammarRequest
+from tests.grammar_eval import corpus_files, load_case, stratified_sample
+
+CORPUS = Path(__file__).parents[1] / ".." / "shared" / "corpora" / "jsonschemabench-dev"
+
+
+@pytest.mark.parametrize(
+    "schema, fragment",
+    [
+        ({"type": []}, "invalid at /type"),
+        ({"type": "object", "required": "a"}, "invalid at /required"),
+        ({"type": "number", "multipleOf": -3}, "invalid at /multipleOf"),
+        ({"enum": []}, "at / has an empty enum"),
+        ({"$defs": {"x": {"enum": []}}, "$ref": "#/$defs/x"}, "at /$defs/x has an empty enum"),
+        ({"properties": {"a": {"type": "string", "pattern": "(["}}}, "at /properties/a has a pattern"),
+        ({"type": "object", "patternProperties": {"[": {}}}, "pattern that does not compile"),
+        ({"prefixItems": [{"type": "integer", "minimum": 1e30}]}, "at /prefixItems/0 asks for an integer"),
+        ({"type": "integer", "exclusiveMaximum": -(2**63)}, "beyond 64-bit integers"),
+    ],
+)
+def test_schemas_no_backend_can_serve_are_named(schema, fragment):
+    problem = schema_problem(json.dumps(schema))
+    assert problem is not None and fragment in problem, problem
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"enum": ["a", "a"]},  # a repeated value: harmless
+        {"type": "object", "properties": {"pattern": {"type": "string"}, "enum": {"type": "integer"}}},  # names
+        {"type": "string", "pattern": r"^[\p{L}\p{Z}\p{N}_.:/=+\-@]*$"},
+        {"type": "string", "pattern": "^[\\u0020-\\uD7FF\\uE000-\\uFFFD\\uD800\\uDC00-\\uDBFF\\uDFFF\\t]*$"},
+        {"type": ["integer", "number"], "minimum": 1e30},  # a number may be that large
+        {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+    ],
+)
+def test_schemas_backends_serve_pass(schema):
+    assert schema_problem(json.dumps(schema)) is None
+
+
+def test_a_structural_tag_names_its_schema():
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "triggered_tags",
+            "triggers": ["<tool_call>"],
+            "tags": [
+                {
+                    "type": "tag",
+                    "begin": '<tool_call>{"name": "f", "arguments": ',
+                    "content": {"type": "json_schema", "json_schema": {"type": "object", "required": "x"}},
+                    "end": "}</tool_call>",
+                }
+            ],
+        },
+    }
+    problem = _schema_problem(GrammarRequest("structural_tag", json.dumps(tag)))
+    assert problem is not None and "structural tag" in problem and "/required" in problem
+
+
+@pytest.mark.skipif(not CORPUS.is_dir(), reason=f"corpus not found at {CORPUS}")
+def test_corpus_schemas_pass():
+    paths = stratified_sample(corpus_files(CORPUS), 10)
+    assert len(paths) > 400
+    flagged = {}
+    for path in paths:
+        schema, _ = load_case(path)
+        if isinstance(schema, dict) and (problem := schema_problem(json.dumps(schema, ensure_ascii=False))):
+            flagged[path.name] = problem
+    assert not flagged, flagged
