@@ -275,7 +275,7 @@ def test_wrong_types_and_bad_json_are_400(base_url, model_name):
         (
             "/v1/completions",
             {"prompt": ["One,", "hello " * 9000]},
-            "messages",
+            "prompt",
             "context length",
         ),  # any prompt fails all
         ("/generate", {"text": "hi", "input_ids": [504]}, "text", "exactly one"),
