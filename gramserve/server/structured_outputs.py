@@ -55,7 +55,11 @@ def _schema_text(schema: Any, args: ServerArgs, param: str) -> str:
     if not isinstance(schema, dict):
         raise InvalidRequestError("the JSON schema must be a JSON object", param)
     if _json_depth(schema, args.grammar_max_depth) > args.grammar_max_depth:
-        raise InvalidRequestError(f"the JSON schema nests deeper than the limit of {args.grammar_max_depth}", param)
+        raise InvalidRequestError(
+            f"the JSON schema document nests deeper than {args.grammar_max_depth} levels of JSON (--grammar-max-depth; "
+            "a subschema under properties counts two: the properties object and the subschema)",
+            param,
+        )
     text = json.dumps(schema, ensure_ascii=False)
     if len(text.encode()) > args.grammar_max_bytes:
         raise InvalidRequestError(f"the JSON schema is larger than the {args.grammar_max_bytes}-byte limit", param)
