@@ -44,10 +44,14 @@ def schema_problem(schema_text: str) -> str | None:
     schema = json.loads(schema_text)
     if not isinstance(schema, dict):
         return None
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    for error in cls(cls.META_SCHEMA).iter_errors(schema):
-        if error.validator != "uniqueItems":
-            return f"the JSON schema is invalid at {_pointer(error.absolute_path)}: {error.message[:300]}"
+    try:
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        errors = [e for e in cls(cls.META_SCHEMA).iter_errors(schema) if e.validator != "uniqueItems"]
+    except Exception:  # noqa: BLE001 - a metaschema the validator cannot apply: the backends decide
+        errors = []
+    if errors:
+        error = errors[0]
+        return f"the JSON schema is invalid at {_pointer(error.absolute_path)}: {error.message[:300]}"
     for node, path in _subschemas(schema, ()):
         if node.get("enum") == []:
             return f"the JSON schema at {_pointer(path)} has an empty enum, which no value satisfies"

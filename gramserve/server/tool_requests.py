@@ -66,7 +66,7 @@ def plan_tools(req: P.ChatCompletionRequest, parser_name: str, args: ServerArgs)
         params = fn.parameters if fn.parameters is not None else EMPTY_PARAMETERS
         # Same checks as response_format schemas: JSON object, size and depth limits.
         params = json.loads(_schema_text(params, args, "tools"))
-        if params.get("type", "object") != "object":  # as OpenAI: the arguments are a JSON object
+        if params.get("type", "object") not in ("object", ["object"]):  # as OpenAI: the arguments are an object
             raise InvalidRequestError(
                 f'the parameters of tool {fn.name!r} must be a JSON schema of type "object", got {params["type"]!r}',
                 "tools",
