@@ -28,7 +28,7 @@ from gramserve.server.request_checks import (
 )
 from gramserve.server.request_id import engine_rid_base, response_id
 from gramserve.server.sampling_request import openai_sampling_params
-from gramserve.server.streaming import prefetch_first, sse_stream
+from gramserve.server.streaming import interleave, prefetch_first, sse_stream
 from gramserve.server.structured_outputs import checked_backend, grammar_from_fields, with_schema_in_prompt
 from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 from gramserve.server.tool_requests import (
@@ -450,8 +450,6 @@ class OpenAIServing:
         params = openai_sampling_params(req, self.tm.vocab_size)
         grammar = self.grammar(req)
         prompts = self._completion_prompts(req)
-        if req.stream and len(prompts) != 1:
-            raise InvalidRequestError("streaming supports a single prompt", "prompt")
         for ids in prompts:  # every prompt before any is sent
             self._check_prompt(ids, params, "prompt")
         return CompletionSetup(prompts, params, grammar, lora)
@@ -526,39 +524,55 @@ class OpenAIServing:
         setup = await self._prepare(self._completion_setup, req)
         rid = response_id("cmpl")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        merged = await prefetch_first(
+        prompts, n = setup.prompts, req.n
+        streams = [
             self._merged(
-                setup.prompts[0],
+                ids,
                 setup.params,
-                req.n,
-                rid,
+                n,
+                rid if len(prompts) == 1 else f"{rid}-{pi}",
                 req.logprobs,
                 is_disconnected,
                 setup.grammar,
                 req.priority,
                 lora=setup.lora,
             )
-        )
+            for pi, ids in enumerate(prompts)
+        ]
+        # Several prompts run together; each one's first output is awaited before the response starts (errors are
+        # plain HTTP errors), and their choices are numbered by prompt, then by n (as without streaming).
+        firsts = await asyncio.gather(*(prefetch_first(stream) for stream in streams), return_exceptions=True)
+        errors = [r for r in firsts if isinstance(r, BaseException)]
+        if errors:
+            for first, stream in zip(firsts, streams):
+                await (stream if isinstance(first, BaseException) else first).aclose()
+            raise errors[0]
+        merged = interleave(firsts)
 
         async def chunks() -> AsyncIterator:
-            totals = [0] * req.n
-            offsets = [0] * req.n
-            prompt = cached = 0
+            totals = [0] * (len(prompts) * n)
+            offsets = [0] * (len(prompts) * n)
+            prompt_tokens, cached = [0] * len(prompts), [0] * len(prompts)
             try:
-                async for i, out in merged:
-                    totals[i], prompt, cached = out.completion_tokens, out.prompt_tokens, out.cached_tokens
+                async for pi, (i, out) in merged:
+                    index = pi * n + i
+                    totals[index], prompt_tokens[pi], cached[pi] = (
+                        out.completion_tokens,
+                        out.prompt_tokens,
+                        out.cached_tokens,
+                    )
                     if not out.text and out.finished is None:
                         continue
                     lp = None
                     if req.logprobs is not None:
-                        lp = self._completion_logprobs(out.logprobs or [], offsets[i])
-                    offsets[i] += len(out.text)
+                        lp = self._completion_logprobs(out.logprobs or [], offsets[index])
+                    offsets[index] += len(out.text)
                     yield P.CompletionResponse(
                         id=rid,
                         model=self.model_of(setup),
                         choices=[
                             P.CompletionChoice(
-                                index=i,
+                                index=index,
                                 text=out.text,
                                 logprobs=lp,
                                 finish_reason=out.finish_reason,
@@ -567,9 +581,8 @@ class OpenAIServing:
                         ],
                     )
                 if include_usage:
-                    yield P.CompletionResponse(
-                        id=rid, model=self.model_of(setup), choices=[], usage=self._usage(prompt, sum(totals), cached)
-                    )
+                    usage = self._usage(sum(prompt_tokens), sum(totals), sum(cached))
+                    yield P.CompletionResponse(id=rid, model=self.model_of(setup), choices=[], usage=usage)
             finally:
                 await merged.aclose()
 

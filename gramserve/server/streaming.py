@@ -1,9 +1,10 @@
 """Server-sent events: the `data:` framing, the error event that ends a stream which fails after its first byte,
-sse_stream (a stream of response objects as events), and prefetch_first, which keeps errors before the first token
-plain HTTP errors."""
+sse_stream (a stream of response objects as events), prefetch_first, which keeps errors before the first token
+plain HTTP errors, and interleave, which merges streams as their items come."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, AsyncIterator
 
@@ -65,3 +66,37 @@ async def sse_stream(items: AsyncIterator[Any]) -> AsyncIterator[str]:
     finally:
         await items.aclose()
     yield SSE_DONE
+
+
+async def interleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """(index of its stream, item) for the items of all `streams`, each as soon as it comes. A stream that raises
+    ends the merge with its error; closing the merge closes every stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def drain(k: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                await queue.put((k, item))
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            await queue.put((k, exc))
+            return
+        await queue.put((k, done))
+
+    tasks = [asyncio.create_task(drain(k, stream)) for k, stream in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            k, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
