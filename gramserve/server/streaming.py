@@ -71,6 +71,13 @@ async def sse_stream(items: AsyncIterator[Any]) -> AsyncIterator[str]:
 async def interleave(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
     """(index of its stream, item) for the items of all `streams`, each as soon as it comes. A stream that raises
     ends the merge with its error; closing the merge closes every stream."""
+    if len(streams) == 1:  # the usual case: no task and queue hop per item
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            await streams[0].aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
