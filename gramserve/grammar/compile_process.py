@@ -87,7 +87,7 @@ def compile_grammar(backend: GrammarBackend, grammar: GrammarRequest, relaxed: b
 def _schema_problem(grammar: GrammarRequest) -> str | None:
     """Why a JSON schema of the grammar (the schema itself, or one inside a structural tag) cannot be served."""
     if grammar.kind == "json_schema":
-        return schema_problem(grammar.text) if _is_json(grammar.text) else None
+        return schema_problem(grammar.text)
     if grammar.kind == "structural_tag":
         try:
             schemas = tag_schemas(grammar.text)
@@ -97,14 +97,6 @@ def _schema_problem(grammar: GrammarRequest) -> str | None:
             if problem := schema_problem(json.dumps(schema, ensure_ascii=False)):
                 return f"a JSON schema of the structural tag: {problem}"
     return None
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False  # the backend reports the syntax error
-    return True
 
 
 def audit_error(backend_name: str, grammar: GrammarRequest) -> str | None:

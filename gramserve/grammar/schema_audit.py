@@ -62,23 +62,29 @@ _TYPE_CHECKS = {
 }
 
 
-def _subschemas(schema: Any) -> Iterator[dict]:
-    """Every schema object inside `schema` (iterative, so deep schemas cannot overflow the stack)."""
-    stack = [schema]
+def schema_nodes(schema: Any) -> Iterator[tuple[dict, tuple]]:
+    """Every schema object inside `schema`, with its path of keys and indexes from the root (iterative, so deep
+    schemas cannot overflow the stack)."""
+    stack = [(schema, ())]
     while stack:
-        node = stack.pop()
+        node, path = stack.pop()
         if isinstance(node, dict):
-            yield node
+            yield node, path
             for key, value in node.items():
                 if key in ("enum", "const", "default", "examples"):
                     continue  # instance data, not schemas
                 if isinstance(value, dict):
                     if key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
-                        stack.extend(v for v in value.values() if isinstance(v, dict))
+                        stack.extend(((v, (*path, key, k)) for k, v in value.items() if isinstance(v, dict)))
                     else:
-                        stack.append(value)
+                        stack.append((value, (*path, key)))
                 elif isinstance(value, list):
-                    stack.extend(v for v in value if isinstance(v, dict))
+                    stack.extend(((v, (*path, key, i)) for i, v in enumerate(value) if isinstance(v, dict)))
+
+
+def _subschemas(schema: Any) -> Iterator[dict]:
+    """Every schema object inside `schema` (`schema_nodes` without the paths)."""
+    return (node for node, _ in schema_nodes(schema))
 
 
 def _enum_type_conflict(node: dict) -> bool:

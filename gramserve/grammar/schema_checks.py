@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterator
-from typing import Any
 
 import jsonschema
 import regex
 
 from gramserve.grammar.backends.base import GrammarCompileError
+from gramserve.grammar.schema_audit import schema_nodes
 
 
 class SchemaProblem(GrammarCompileError):
@@ -32,16 +31,14 @@ class SchemaProblem(GrammarCompileError):
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-_ONE = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames")
-_ONE += ("unevaluatedItems", "unevaluatedProperties", "additionalItems")
-_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
-_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
-
 
 @functools.lru_cache(maxsize=256)
 def schema_problem(schema_text: str) -> str | None:
-    """Why the schema (JSON text) cannot be served, or None."""
-    schema = json.loads(schema_text)
+    """Why the schema (JSON text) cannot be served, or None (also for text that is not JSON: the backends say so)."""
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return None
     if not isinstance(schema, dict):
         return None
     try:
@@ -52,7 +49,7 @@ def schema_problem(schema_text: str) -> str | None:
     if errors:
         error = errors[0]
         return f"the JSON schema is invalid at {_pointer(error.absolute_path)}: {error.message[:300]}"
-    for node, path in _subschemas(schema, ()):
+    for node, path in schema_nodes(schema):
         if node.get("enum") == []:
             return f"the JSON schema at {_pointer(path)} has an empty enum, which no value satisfies"
         patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
@@ -78,40 +75,19 @@ def _code_point(m: regex.Match) -> str:
     return f"\\U{0x10000 + ((high - 0xD800) << 10) + (low - 0xDC00):08x}"
 
 
-def _subschemas(node: Any, path: tuple) -> Iterator[tuple[dict, tuple]]:
-    """Every schema object in `node` (itself included), with its path, keyword by keyword (a property named
-    "pattern" is a name, not the keyword)."""
-    stack = [(node, path)]
-    while stack:
-        node, path = stack.pop()
-        if not isinstance(node, dict):
-            continue
-        yield node, path
-        for key in _ONE:
-            if isinstance(node.get(key), dict):
-                stack.append((node[key], (*path, key)))
-        for key in _LIST:
-            if isinstance(node.get(key), list):
-                stack.extend((sub, (*path, key, i)) for i, sub in enumerate(node[key]))
-        for key in _MAP:
-            if isinstance(node.get(key), dict):
-                stack.extend((sub, (*path, key, name)) for name, sub in node[key].items())
-
-
 def _integer_range_past_64_bits(node: dict) -> bool:
     types = node.get("type")
     types = types if isinstance(types, list) else [types]
     if "integer" not in types or "number" in types:  # a number may be that large
         return False
 
-    def bound(key: str) -> float | int | None:
+    def bound(key: str, default: float) -> float | int:
         value = node.get(key)
-        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        return value if isinstance(value, (int, float)) and not isinstance(value, bool) else default
 
-    low_past = bound("minimum") is not None and bound("minimum") > INT64_MAX
-    low_past |= bound("exclusiveMinimum") is not None and bound("exclusiveMinimum") >= INT64_MAX
-    high_past = bound("maximum") is not None and bound("maximum") < INT64_MIN
-    high_past |= bound("exclusiveMaximum") is not None and bound("exclusiveMaximum") <= INT64_MIN
+    inf = float("inf")
+    low_past = bound("minimum", -inf) > INT64_MAX or bound("exclusiveMinimum", -inf) >= INT64_MAX
+    high_past = bound("maximum", inf) < INT64_MIN or bound("exclusiveMaximum", inf) <= INT64_MIN
     return low_past or high_past
 
 
