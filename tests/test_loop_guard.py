@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import random
 
+import jsonschema
+import numpy as np
 import torch
 
 from gramserve.grammar.backends import GrammarOptions
@@ -408,3 +410,148 @@ def test_the_service_keeps_a_unique_array_from_repeating_an_item(tokenizer):
         assert allowed(bitmask, 1, comma)
     finally:
         svc.close()
+
+
+def test_the_closed_sets_of_unique_arrays_are_found():
+    """Items drawn from a few scalars (enum, const, booleans, a narrow integer range, unions and refs of those) are a
+    closed set; free strings, wide ranges, non-ASCII values, and a name shared with an array that allows copies are
+    not."""
+
+    def domains(items: dict, **extra) -> dict:
+        schema = {"type": "object", "properties": {"a": {"type": "array", "items": items, "uniqueItems": True}}}
+        return dict(unique_arrays(json.dumps(schema | extra)).domains)
+
+    assert domains({"enum": ["Mon", "Tue"]}) == {"a": frozenset({'"Mon"', '"Tue"'})}
+    assert domains({"type": "boolean"}) == {"a": frozenset({"true", "false"})}
+    assert domains({"type": "integer", "exclusiveMinimum": 0, "maximum": 10, "multipleOf": 3}) == {
+        "a": frozenset({"3", "6", "9"})
+    }
+    refs = {"$defs": {"c": {"anyOf": [{"const": "x"}, {"const": 2}, {"type": "null"}]}}}
+    assert domains({"$ref": "#/$defs/c"}, **refs) == {"a": frozenset({'"x"', "2", "null"})}
+    assert domains({"enum": ["x", 1, True], "type": "string"}) == {"a": frozenset({'"x"'})}
+    assert domains({"enum": [1, 2], "allOf": [{"enum": [2, 3]}]}) == {"a": frozenset({"2"})}
+    for open_items in (
+        {"type": "string"},
+        {"type": "integer", "minimum": 0, "maximum": 1000},
+        {"type": "integer", "minimum": 0},
+        {"enum": ["é", "e"]},
+        {"enum": [{"k": 1}]},
+        {"anyOf": [{"const": "x"}, {"type": "string"}]},
+    ):
+        assert domains(open_items) == {}, open_items
+    shared = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "boolean"}}}}
+    assert domains({"type": "boolean"}, **{"$defs": {"other": shared}}) == {}
+    root = unique_arrays(json.dumps({"type": "array", "items": {"enum": [0, 1]}, "uniqueItems": True}))
+    assert root.root and root.root_domain == frozenset({"0", "1"})
+
+
+def choices_after(tokenizer, json_tokens: JsonTokens, text: str, values: set[str]) -> set[str]:
+    """The tokens JsonShape keeps after `text`, for an output that is a unique array of `values`."""
+    shape = JsonShape(json_tokens, unique_root=True, root_domain=frozenset(values))
+    for t in tokenizer.encode(text, add_special_tokens=False):
+        shape.accept(t)
+    return {json_tokens.texts[t] for t in shape.unique_choices()}
+
+
+def test_an_item_of_a_closed_set_is_kept_to_the_values_not_used(tokenizer):
+    json_tokens = JsonTokens.of(tokenizer, len(tokenizer))
+    days = {'"Mon"', '"Tue"', '"Wed"'}
+    inside = choices_after(tokenizer, json_tokens, '["Mon", "Tue", "', days)
+    assert "Wed" in inside and not any(t.startswith(("M", "T")) for t in inside)
+    assert choices_after(tokenizer, json_tokens, '["Mon", "Tue", "W', days) <= {"e", "ed", 'ed"', 'ed"]', 'ed"],'}
+    # the last value written: the array may only end (whitespace or "]"), no comma
+    ends = choices_after(tokenizer, json_tokens, '["Mon", "Tue", "Wed"', days)
+    assert "]" in ends and " " in ends and not any(t.lstrip().startswith(",") for t in ends)
+    assert "," in choices_after(tokenizer, json_tokens, '["Mon", "Tue"', days)  # one value is left
+    numbers = choices_after(tokenizer, json_tokens, "[1, 2, ", {"0", "1", "2", "3"})
+    assert {"0", "3"} <= numbers and not numbers & {"1", "2"}
+    assert not any(
+        t.lstrip().startswith(",") for t in choices_after(tokenizer, json_tokens, "[true, false", {"true", "false"})
+    )
+    assert choices_after(tokenizer, json_tokens, '["Mon", {', days) == set()  # not an item of the set: left alone
+
+
+def test_random_walks_fill_unique_arrays_of_closed_sets_without_copies(tokenizer):
+    """Random walks through the service's masks (the adversarial sampler of random weights) over unique arrays of
+    enums, booleans and an integer range, some asking for every value: every finished output validates. Without the
+    guard, most of the same walks write a copy. (`auto` serves them with llguidance over the schema without
+    uniqueItems, which no backend enforces; xgrammar refuses them.)"""
+    schemas = {
+        "days": {
+            "type": "object",
+            "properties": {
+                "days": {"type": "array", "items": {"enum": ["Mon", "Tue", "Wed", "Thu"]}, "uniqueItems": True}
+            },
+            "required": ["days"],
+        },
+        "all_days": {
+            "type": "array",
+            "items": {"enum": ["Mon", "Tue", "Wed", "Thu"]},
+            "uniqueItems": True,
+            "minItems": 4,
+        },
+        "flags": {"type": "array", "items": {"type": "boolean"}, "uniqueItems": True, "minItems": 2},
+        "digits": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 3},
+            "uniqueItems": True,
+            "minItems": 4,
+        },
+    }
+    whitespace = {i for i, t in enumerate(JsonTokens.of(tokenizer, len(tokenizer)).texts) if t and not t.strip()}
+
+    def walks(guard: bool, seeds: range) -> list[tuple[str, str]]:
+        bitmask = allocate_bitmask(len(schemas), len(tokenizer))
+        svc = GrammarService(
+            tokenizer, len(tokenizer), [EOS], GrammarOptions(loop_guard=guard), bitmask, fill_threads=0,
+            compile_timeout_s=30,
+        )  # fmt: skip
+        out = []
+        try:
+            for seed in seeds:
+                rng = random.Random(seed)
+                rids = {name: f"{name}-{seed}" for name in schemas}
+                answers = {}  # a grammar compiled before is answered at once
+                for name, schema in schemas.items():
+                    spec = GrammarRequest("json_schema", json.dumps(schema))
+                    if (answer := svc.submit(GrammarCompileReq(rids[name], spec))) is not None:
+                        answers[answer.rid] = answer
+                answers |= collect(svc, set(rids.values()) - set(answers))
+                assert all(r.error is None for r in answers.values())
+                texts = {name: [] for name in schemas}
+                live = list(schemas)
+                accept: list[tuple[str, int]] = []
+                for step in range(160):
+                    fill = [(rids[name], row) for row, name in enumerate(schemas) if name in live]
+                    svc.step(GrammarStepReq(step, accept, fill, []))
+                    accept = []
+                    for row, name in enumerate(schemas):
+                        if name not in live:
+                            continue
+                        words = bitmask[row].numpy().view(np.uint32)
+                        allowed = [i for i in np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))]
+                        if EOS in allowed:
+                            live.remove(name)
+                            out.append((name, "".join(texts[name])))
+                            continue
+                        token = int(rng.choice([t for t in allowed if t not in whitespace] or allowed))
+                        accept.append((rids[name], token))
+                        texts[name].append(tokenizer.decode([token]))
+                    if not live:
+                        break
+                svc.step(GrammarStepReq(999, [], [], [rids[n] for n in schemas]))
+        finally:
+            svc.close()
+        return out
+
+    guarded = walks(True, range(6))
+    assert len(guarded) >= 20  # most walks finish
+    for name, text in guarded:
+        jsonschema.validate(json.loads(text), schemas[name])
+    copies = 0
+    for name, text in walks(False, range(3)):
+        try:
+            jsonschema.validate(json.loads(text), schemas[name])
+        except jsonschema.ValidationError:
+            copies += 1
+    assert copies >= 4

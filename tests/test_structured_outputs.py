@@ -581,3 +581,26 @@ def test_the_loop_guard_breaks_a_greedy_loop_inside_a_string(client, model_name,
     assert "easy_" * 9 not in content
     after = httpx.get(base_url + "/get_server_info", timeout=30).json()["grammar_timing"]["loop_bans"]
     assert after > before
+
+
+def test_unique_arrays_of_closed_sets_end_without_copies(client, model_name):
+    """Greedy, the default model wrote "Sun" twice into a uniqueItems array of the seven days (every retry the same:
+    invalid_output) and ran a uniqueItems array of booleans to max_tokens (`[false, true, true, ...]`). The loop
+    guard keeps such items to the values not used yet, and ends the array when none is left."""
+    days = ["Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"]
+    cases = [
+        ({"days": {"type": "array", "items": {"enum": days}, "uniqueItems": True, "minItems": 3}}, "Which days?"),
+        ({"flags": {"type": "array", "items": {"type": "boolean"}, "uniqueItems": True, "minItems": 2}}, "Two flags."),
+    ]
+    for properties, question in cases:
+        schema = {"type": "object", "properties": properties, "required": list(properties)}
+        out = client.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": question + " Answer in JSON."}],
+            max_tokens=100,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+        )
+        content = out.choices[0].message.content
+        assert out.choices[0].finish_reason == "stop", content
+        jsonschema.validate(json.loads(content), schema)

@@ -33,6 +33,7 @@ from collections import deque
 
 import numpy as np
 
+from gramserve.grammar.unique_choices import ValueTokens, item_choices
 from gramserve.sampling.bitmask import bitmask_words
 
 STALL_SPAN = 48  # a string's latest tokens looked at ...
@@ -54,11 +55,15 @@ class JsonTokens:
     """A vocabulary as the follower reads it: each token's text, and bitmasks of the tokens that can close a string
     (an unescaped quote) and of those that close an array or object (``]`` or ``}`` after any whitespace)."""
 
-    __slots__ = ("texts", "string_closers", "container_closers", "end_and_comma", "_by_string_end")
+    __slots__ = (
+        "texts", "vocab_size", "string_closers", "container_closers", "end_and_comma", "_by_string_end", "_values",
+    )  # fmt: skip
 
     def __init__(self, texts: list[str], vocab_size: int):
         self.texts = texts  # token id -> its text ("" for ids the tokenizer does not name)
+        self.vocab_size = vocab_size
         self._by_string_end: dict[str, list[int]] | None = None
+        self._values: ValueTokens | None = None
         self.string_closers = _bitmask((i for i, t in enumerate(texts) if '"' in t and _closes(t)), vocab_size)
         self.container_closers = _bitmask((i for i, t in enumerate(texts) if t.lstrip()[:1] in ("]", "}")), vocab_size)
         self.end_and_comma = _bitmask((i for i, t in enumerate(texts) if _END_AND_COMMA.search(t)), vocab_size)
@@ -72,6 +77,17 @@ class JsonTokens:
                     by.setdefault(t[:end], []).append(token)
             self._by_string_end = by
         return self._by_string_end.get(text, [])
+
+    @property
+    def values(self) -> ValueTokens:
+        """The tokens by the JSON value text they write (unique_choices.py), built on first use: few schemas have
+        unique arrays of closed sets."""
+        if self._values is None:
+            self._values = ValueTokens(self.texts)
+        return self._values
+
+    def bitmask(self, tokens) -> np.ndarray:
+        return _bitmask(tokens, self.vocab_size)
 
     @classmethod
     def of(cls, tokenizer, vocab_size: int) -> "JsonTokens":
@@ -113,10 +129,10 @@ class _Open:
 
     __slots__ = (
         "array", "start", "done", "items", "keys", "key_start", "expect_key", "stalled", "primed", "last_key",
-        "uniques", "copying",
+        "uniques", "copying", "values", "used",
     )  # fmt: skip
 
-    def __init__(self, array: bool, start: int, unique: bool = False):
+    def __init__(self, array: bool, start: int, unique: bool = False, values: frozenset[str] | None = None):
         self.array = array
         self.start = start  # arrays: where the current item's text begins (a JsonShape position)
         self.done = False  # arrays: the current item (a string, array or object) is complete
@@ -129,6 +145,8 @@ class _Open:
         self.last_key = 0  # objects: the hash of the latest key (with its quotes)
         self.uniques: list[str] | None = [] if unique else None  # unique arrays: the items so far (UNIQUE_ITEMS)
         self.copying = False  # unique arrays: the current item set out to copy an earlier one (duplicate_endings)
+        self.values = values  # unique arrays of a closed set: the values (JSON texts) items are drawn from
+        self.used: set[str] = set()  # ... and those items took so far
 
 
 class JsonShape:
@@ -137,16 +155,25 @@ class JsonShape:
 
     __slots__ = (
         "_tokens", "_texts", "chars", "base", "_open", "in_string", "_escaped", "_window", "_distinct", "_unique_keys",
-        "_unique_root",
+        "_unique_root", "_domains", "_root_domain",
     )  # fmt: skip
 
-    def __init__(self, tokens: JsonTokens, unique_keys: frozenset[str] = frozenset(), unique_root: bool = False):
+    def __init__(
+        self,
+        tokens: JsonTokens,
+        unique_keys: frozenset[str] = frozenset(),
+        unique_root: bool = False,
+        domains: tuple[tuple[str, frozenset[str]], ...] = (),
+        root_domain: frozenset[str] | None = None,
+    ):
         """`unique_keys`: the names of members whose value is an array the schema marks uniqueItems; `unique_root`: the
-        output itself is one."""
+        output itself is one; `domains` and `root_domain`: the closed sets of those arrays' items, where known."""
         self._tokens = tokens
         self._texts = tokens.texts
         self._unique_keys = frozenset(hash(f'"{k}"') for k in unique_keys)  # as _string_closed hashes keys
         self._unique_root = unique_root
+        self._domains = {hash(f'"{k}"'): values for k, values in domains}
+        self._root_domain = root_domain
         self.chars: list[str] = []
         self.base = 0  # the position of chars[0] in the whole text
         self._open: list[_Open] = []
@@ -224,6 +251,17 @@ class JsonShape:
             array.copying = array.primed = True
         return out
 
+    def unique_choices(self) -> list[int]:
+        """In an item of a unique array of a closed set (the innermost open container): the tokens that keep it to
+        the values not used yet (unique_choices.py). Empty elsewhere, or where the item is on its way to none."""
+        opened = self._open
+        if self._escaped or not opened or opened[-1].values is None:
+            return []
+        array = opened[-1]
+        so_far = "".join(self.chars[array.start - self.base :])
+        done = array.done and not self.in_string
+        return item_choices(self._tokens.values, array.values, array.used, so_far, self.in_string, done)
+
     def _read(self, c: str) -> None:
         chars = self.chars
         if self.in_string:
@@ -247,7 +285,10 @@ class JsonShape:
             self._clear_window()
         elif c in "[{":
             unique = c == "[" and (top.last_key in self._unique_keys if top is not None else self._unique_root)
-            self._open.append(_Open(c == "[", self.base + len(chars) + 1, unique))
+            values = None
+            if unique:
+                values = self._domains.get(top.last_key) if top is not None else self._root_domain
+            self._open.append(_Open(c == "[", self.base + len(chars) + 1, unique, values))
         elif c in "]}":
             if top is not None:
                 self._open.pop()
@@ -286,6 +327,8 @@ class JsonShape:
         """An item of `top` is complete: a string, array or object at its closing character, others at the comma."""
         top.done = True
         item = "".join(self.chars[top.start - self.base :])
+        if top.values is not None:
+            top.used.add(item)
         items = top.items
         if not item or item[0] not in '"[{':
             items.clear()  # numbers and literals repeat in real data

@@ -138,7 +138,7 @@ class LoopGuard:
         self._shape = None  # None: the shape is not followed
         if json_tokens is not None:
             unique = unique or UniqueArrays()
-            self._shape = JsonShape(json_tokens, unique.keys, unique.root)
+            self._shape = JsonShape(json_tokens, unique.keys, unique.root, unique.domains, unique.root_domain)
 
     def accept(self, token: int) -> None:
         self._tokens.push(token)
@@ -191,8 +191,9 @@ class LoopGuard:
 
     def narrowing(self) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Bitmasks for the next mask (json_shape.py): the tokens to keep only (those that close a stalled string,
-        or a stalled array or object), and the tokens to drop (those that would end the last item of a stalled
-        container and write a comma in one token). None: not narrowed that way."""
+        or a stalled array or object; in a unique array of a closed set, those that write a value not used yet), and
+        the tokens to drop (those that would end the last item of a stalled container and write a comma in one
+        token). None: not narrowed that way."""
         shape = self._shape
         if shape is None:
             return None, None
@@ -201,6 +202,8 @@ class LoopGuard:
             keep = self._json.string_closers
         elif shape.container_stalled():
             keep = self._json.container_closers
+        elif choices := shape.unique_choices():
+            keep = self._json.bitmask(choices)
         drop = self._json.end_and_comma if shape.item_may_be_last() else None
         return keep, drop
 
