@@ -604,3 +604,26 @@ def test_unique_arrays_of_closed_sets_end_without_copies(client, model_name):
         content = out.choices[0].message.content
         assert out.choices[0].finish_reason == "stop", content
         jsonschema.validate(json.loads(content), schema)
+
+
+def test_thousands_of_choices_and_a_grammar_its_backend_gives_up_on_mid_output(client, model_name, base_url):
+    """A choice of 2,500 labels (and the same as an EBNF alternation) stopped llguidance's matcher at its second
+    token (an Earley row of 2,501 items; its limit was 2,000): a 200 with "w" and finish_reason "abort". Choices are
+    now one regex lexeme, and rows may hold 20,000 items. A grammar past even that is an error, not a 200: the whole
+    response a 400 naming the limit, a started stream its text then an error event (the SDK raises it)."""
+    labels = [f"w{i}" for i in range(2500)]
+    for extra in ({"guided_choice": labels}, {"ebnf": "root ::= " + " | ".join(f'"{w}"' for w in labels)}):
+        out = client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "Pick one."}], max_tokens=10, extra_body=extra
+        )
+        assert out.choices[0].finish_reason == "stop" and out.choices[0].message.content in labels, out
+    beyond = {"ebnf": "root ::= " + "|".join(f'"w{i}"' for i in range(21000)), "grammar_backend": "llguidance"}
+    body = {"model": model_name, "messages": [{"role": "user", "content": "Go"}], "max_tokens": 10, **beyond}
+    r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 400 and "too complex for its backend" in r.json()["error"]["message"], r.text
+    with pytest.raises(openai.APIError, match="too complex for its backend"):
+        stream = client.chat.completions.create(
+            model=model_name, messages=body["messages"], max_tokens=10, stream=True, extra_body=beyond
+        )
+        for _ in stream:
+            pass

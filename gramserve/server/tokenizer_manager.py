@@ -64,6 +64,17 @@ PREP_THREADS = 4  # request preparation (templates, tokenizing, grammar texts) o
 HEALTH_CHECK_S = 1.0  # how often in-flight requests are failed when the server cannot serve (health.py)
 
 
+def _error_of(fin: FinishReason, constrained: bool) -> Exception:
+    """The exception an engine request that ended with an error status raises."""
+    if fin.status_code == 400:
+        return InvalidRequestError(fin.message or "invalid request", "response_format" if constrained else None)
+    if fin.status_code == 503:
+        return ServerBusyError(fin.message or "server busy")
+    if fin.status_code == 404:
+        return LoRANotFoundError(fin.message or "LoRA adapter not found")
+    return EngineError(fin.message or "internal error")
+
+
 @dataclass
 class GenerateOutput:
     """One piece of a request's stream."""
@@ -245,15 +256,17 @@ class TokenizerManager:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        **kwargs,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
+        """The prompt's ids; `template_kwargs` (a request's chat_template_kwargs) go to the template, and a key that
+        names one of the call's own arguments is a 400 like any other template error."""
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 continue_final_message=continue_final_message,
-                **kwargs,
+                **(template_kwargs or {}),
             )
         except Exception as exc:  # noqa: BLE001 - template errors are the client's message shapes
             raise InvalidRequestError(f"cannot apply the chat template: {exc}", "messages") from exc
@@ -429,17 +442,13 @@ class TokenizerManager:
                 if watch is not None:
                     watch.tokens(len(out.token_ids))
                 fin = out.finished
-                if fin is not None and fin.status_code is not None and out.completion_tokens == 0:
+                if fin is not None and fin.status_code is not None:
+                    # An error: the HTTP answer (a whole response drops what was written before it, e.g. by a
+                    # grammar that gave up mid-output), or a started stream's last event after its text so far.
                     state.finished = True
-                    if fin.status_code == 400:
-                        raise InvalidRequestError(
-                            fin.message or "invalid request", "response_format" if grammar is not None else None
-                        )
-                    if fin.status_code == 503:
-                        raise ServerBusyError(fin.message or "server busy")
-                    if fin.status_code == 404:
-                        raise LoRANotFoundError(fin.message or "LoRA adapter not found")
-                    raise EngineError(fin.message or "internal error")
+                    if streamed and out.completion_tokens > 0 and out.token_ids:
+                        yield replace(out, finished=None)
+                    raise _error_of(fin, grammar is not None)
                 if repeated:  # the choice ends here (chat_output.py): stop the engine request now
                     self.to_scheduler.send_pyobj(AbortReq(rid))
                     state.finished = True

@@ -57,12 +57,18 @@ from .base import (
     looks_like_gbnf,
     parse_choices,
     parse_json_schema,
+    regex_escape,
 )
 
 if TYPE_CHECKING:
     from gramserve.grammar.fill import FillPool
 
 logger = logging.getLogger(__name__)
+
+# llguidance's defaults but for the items of one Earley row (2,000): an EBNF alternation of a few thousand words
+# stopped the matcher at its second token. A row of 2,500 costs 0.3-0.7 ms a mask; a step stays bounded by
+# step_max_items (50,000).
+PARSER_LIMITS = llg.LLParserLimits(max_items_in_row=20_000)
 
 
 class _LLGCompiled:
@@ -256,12 +262,9 @@ class LLGuidanceBackend(GrammarBackend):
                     raise GrammarCompileError(f"llguidance: could not convert the GBNF grammar to Lark: {e}") from None
             return llg.LLMatcher.grammar_from_lark(text)
         if kind == "choice":
-            choices = parse_choices(text)
-            alts = [json.dumps(c) for c in choices if c]
-            if not alts:  # only the empty string
-                return llg.LLMatcher.grammar_from_regex("")
-            body = "(" + " | ".join(alts) + ")" + ("?" if "" in choices else "")
-            return llg.LLMatcher.grammar_from_lark("start: " + body)
+            # one lexeme (a DFA), not a parser rule per choice: a row of the Earley parser holds every alternative
+            # still alive, and past max_items_in_row the matcher stops mid-output (2,500 labels did)
+            return llg.LLMatcher.grammar_from_regex("(" + "|".join(regex_escape(c) for c in parse_choices(text)) + ")")
         if kind == "structural_tag":
             tag = normalize_structural_tag(text)
             if self.options.strict_json:  # tool arguments closed as in json_schema (and as xgrammar's strict mode)
@@ -273,7 +276,7 @@ class LLGuidanceBackend(GrammarBackend):
 
     def _compile(self, spec: GrammarSpec) -> object:
         grammar = self._grammar(spec)
-        proto = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        proto = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=PARSER_LIMITS)
         if proto.is_error():
             raise GrammarCompileError(f"llguidance rejected the {spec.kind} grammar: {_short_error(proto.get_error())}")
         return _LLGCompiled(grammar, proto)
@@ -281,7 +284,9 @@ class LLGuidanceBackend(GrammarBackend):
     def add_lanes(self, compiled: object) -> None:
         if isinstance(compiled, _LLGCompiled):
             while len(compiled.protos) < self.fill_lanes:
-                compiled.protos.append(llg.LLMatcher(self.ll_tokenizer, compiled.grammar, log_level=0))
+                compiled.protos.append(
+                    llg.LLMatcher(self.ll_tokenizer, compiled.grammar, log_level=0, limits=PARSER_LIMITS)
+                )
 
     def matcher(self, compiled: object) -> Matcher:
         if not isinstance(compiled, _LLGCompiled):
