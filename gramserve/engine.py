@@ -35,7 +35,8 @@ from gramserve.config import ServerArgs
 from gramserve.server import protocol as P
 from gramserve.server.error_handlers import validation_message
 from gramserve.server.errors import InvalidRequestError
-from gramserve.server.native_serving import NativeServing
+from gramserve.server.native_batch import split_generate
+from gramserve.server.native_serving import NativeServing, gather_all
 from gramserve.server.openai_serving import OpenAIServing
 from gramserve.server.processes import EngineProcesses, start_engine_processes
 from gramserve.server.tokenizer_manager import TokenizerManager
@@ -147,11 +148,11 @@ class Engine:
         the list of answers, run as one batch. `sampling_params`: one dict, or one per prompt. `options`: the
         /generate fields `return_logprob`, `top_logprobs_num`, `rid`, `priority`. `stream=True` (one prompt):
         an iterator of answers, each holding the whole output so far."""
-        reqs = self._generate_requests(prompt, sampling_params, input_ids, stream, options)
+        reqs, many = self._generate_requests(prompt, sampling_params, input_ids, stream, options)
         if stream:
-            return self._iterate(self._native.generate_stream(reqs[0]))
-        if self._batched(prompt, input_ids):
-            return self._run(self._all(self._native.generate, reqs))
+            return self._iterate(self._generate_stream(reqs, many))
+        if many:
+            return self._run(self._native.generate_many(reqs))
         return self._run(self._native.generate(reqs[0]))
 
     async def async_generate(
@@ -164,47 +165,25 @@ class Engine:
         **options: Any,
     ) -> dict | list[dict] | AsyncIterator[dict]:
         """`generate`, awaited from the caller's event loop."""
-        reqs = self._generate_requests(prompt, sampling_params, input_ids, stream, options)
+        reqs, many = self._generate_requests(prompt, sampling_params, input_ids, stream, options)
         if stream:
-            return await self._aiterate(self._native.generate_stream(reqs[0]))
-        if self._batched(prompt, input_ids):
-            return await self._await(self._all(self._native.generate, reqs))
+            return await self._aiterate(self._generate_stream(reqs, many))
+        if many:
+            return await self._await(self._native.generate_many(reqs))
         return await self._await(self._native.generate(reqs[0]))
 
-    @staticmethod
-    def _batched(prompt: Any, input_ids: Any) -> bool:
-        if prompt is not None:
-            return isinstance(prompt, list)
-        return bool(input_ids) and isinstance(input_ids[0], list)
+    async def _generate_stream(self, reqs: list, many: bool) -> AsyncIterator[dict]:
+        if many:
+            return await self._native.generate_many_stream(reqs)
+        return await self._native.generate_stream(reqs[0])
 
-    def _generate_requests(self, prompt, sampling_params, input_ids, stream: bool, options: dict) -> list:
+    def _generate_requests(self, prompt, sampling_params, input_ids, stream: bool, options: dict) -> tuple[list, bool]:
+        """/generate's body for these arguments, split as the route splits it (native_batch.py)."""
         if (prompt is None) == (input_ids is None):
             raise InvalidRequestError("give exactly one of prompt and input_ids", "prompt")
-        prompts = prompt if prompt is not None else input_ids
-        many = self._batched(prompt, input_ids)
-        if not many:
-            prompts = [prompts]
-        if not prompts:
-            raise InvalidRequestError("the list of prompts is empty", "prompt")
-        if stream and many:
-            raise InvalidRequestError("stream=True takes a single prompt", "stream")
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != len(prompts):
-                raise InvalidRequestError(
-                    f"{len(sampling_params)} sampling_params for {len(prompts)} prompts", "sampling_params"
-                )
-            params = sampling_params
-        else:
-            params = [sampling_params or {}] * len(prompts)
-        key = "text" if prompt is not None else "input_ids"
-        rid = options.pop("rid", None)
-        reqs = []
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            body = {key: p, "sampling_params": sp, "stream": stream, **options}
-            if rid is not None:
-                body["rid"] = f"{rid}-{i}" if many else rid
-            reqs.append(_validated(P.GenerateRequest, body))
-        return reqs
+        body = {"text": prompt} if prompt is not None else {"input_ids": input_ids}
+        body |= {"sampling_params": sampling_params or {}, "stream": stream, **options}
+        return split_generate(_validated(P.GenerateRequest, body), self.args.max_n)
 
     # --- chat and completions (OpenAI's) -----------------------------------------------------------------
 
@@ -273,12 +252,7 @@ class Engine:
     @staticmethod
     async def _all(one: Callable[[Any], Awaitable[Any]], reqs: list) -> list:
         """Every request at once; the first failure raises and the others are aborted."""
-        tasks = [asyncio.ensure_future(one(r)) for r in reqs]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for t in tasks:
-                t.cancel()
+        return await gather_all(one, reqs)
 
     def _check_open(self, coro: Awaitable[Any]) -> None:
         if self._closed:

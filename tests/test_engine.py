@@ -181,11 +181,11 @@ def test_bad_requests_raise_the_routes_errors(engine):
         engine.chat([{"role": "nobody", "content": "x"}])
     with pytest.raises(InvalidRequestError, match="maximum context length"):
         engine.generate("word " * 20000, GREEDY)
-    with pytest.raises(InvalidRequestError, match="single prompt"):
-        engine.generate(["a", "b"], GREEDY, stream=True)
+    streamed = list(engine.generate(["a", "b"], GREEDY, stream=True))  # a batch streams too, each payload indexed
+    assert {p["index"] for p in streamed} == {0, 1} and all(p["text"] is not None for p in streamed)
     with pytest.raises(InvalidRequestError):
         engine.generate("x", {"json_schema": "{not json"})
-    with pytest.raises(InvalidRequestError, match="2 sampling_params for 3 prompts"):
+    with pytest.raises(InvalidRequestError, match="2 sampling_params for 3 prompt"):
         engine.generate(["a", "b", "c"], [GREEDY, GREEDY])
     with pytest.raises(TypeError, match="unknown Engine arguments"):
         type(engine)(no_such_option=1)

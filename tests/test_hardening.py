@@ -236,11 +236,13 @@ def test_api_keys(keyed_server):
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in Prometheus text (0 when absent)."""
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    """The sum of the samples in Prometheus text that have these labels (0 when none): every label value of the
+    others (a family may hold several reasons)."""
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items())
+    )
 
 
 def test_metrics_count_what_the_server_did(base_url, client, model_name):
@@ -265,6 +267,10 @@ def test_metrics_count_what_the_server_did(base_url, client, model_name):
         "gramserve:output_checks_total",
     ):
         assert name in after, name
+    # one HELP and one TYPE line per family (Go's parser, promtool and most agents refuse a family given twice)
+    for kind in ("# HELP ", "# TYPE "):
+        families = [line.split()[2] for line in after.splitlines() if line.startswith(kind)]
+        assert len(families) == len(set(families)), sorted(f for f in families if families.count(f) > 1)
 
     def grew(name: str, by: float, **labels: str) -> bool:
         return _metric(after, name, **labels) - _metric(before, name, **labels) >= by

@@ -286,6 +286,33 @@ def test_wrong_types_and_bad_json_are_400(base_url, model_name):
     assert r.status_code == 200  # unknown fields are ignored, like OpenAI-compatible servers do
 
 
+def test_null_is_the_default(base_url, model_name):
+    """OpenAI marks its optional fields nullable, and clients and proxies send nulls: each stands for the default."""
+    nulls = ("n", "stream", "presence_penalty", "frequency_penalty", "logprobs", "parallel_tool_calls", "min_tokens")
+    body = {"model": model_name, "messages": CHAT, "max_tokens": 2, **dict.fromkeys(nulls)}
+    r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    body = {"model": model_name, "prompt": "Hi", "max_tokens": 2, "n": None, "echo": None, "stream": None}
+    r = httpx.post(base_url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+    r = httpx.post(base_url + "/v1/chat/completions", json={"model": model_name, "messages": None}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_chat_template_kwargs_that_name_the_call_s_own_arguments(base_url, model_name):
+    """vLLM's add_generation_prompt / continue_final_message are taken from chat_template_kwargs too; a key that
+    names an argument of the template call itself is a 400 (it was a 500)."""
+    body = {"model": model_name, "messages": CHAT, "max_tokens": 2}
+    plain = httpx.post(base_url + "/v1/chat/completions", json={**body, "add_generation_prompt": False}, timeout=60)
+    kwarg = {**body, "chat_template_kwargs": {"add_generation_prompt": False}}
+    r = httpx.post(base_url + "/v1/chat/completions", json=kwarg, timeout=60)
+    assert r.status_code == plain.status_code == 200 and r.json()["usage"] == plain.json()["usage"], r.text
+    for key in ("messages", "conversation", "tokenize", "self"):
+        r = httpx.post(base_url + "/v1/chat/completions", json={**body, "chat_template_kwargs": {key: 1}}, timeout=60)
+        assert r.status_code == 400 and "chat template" in r.json()["error"]["message"], (key, r.text)
+        assert r.headers.get("x-request-id")
+
+
 @pytest.mark.parametrize(
     "path,body,param,fragment",
     [
@@ -301,11 +328,13 @@ def test_wrong_types_and_bad_json_are_400(base_url, model_name):
         (
             "/v1/chat/completions",
             {"messages": CHAT, "max_tokens": 5, "max_completion_tokens": 0},
-            "max_tokens",
-            "at least 1",
+            "max_completion_tokens",
+            "max_completion_tokens must be at least 1",
         ),
         ("/v1/completions", {"prompt": "hi", "logprobs": 6}, "logprobs", "[0, 5]"),
         ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "not supported"),
+        ("/v1/completions", {"prompt": "hi", "n": 2, "best_of": 1}, "best_of", "greater than or equal to n"),
+        ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of", "not supported"),
         ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix", "not supported"),
         ("/v1/completions", {"prompt": ""}, "prompt", "empty"),
         (
@@ -317,6 +346,12 @@ def test_wrong_types_and_bad_json_are_400(base_url, model_name):
         ("/generate", {"text": "hi", "input_ids": [504]}, "text", "exactly one"),
         ("/generate", {"sampling_params": {"max_new_tokens": 2}}, "text", "exactly one"),
         ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "temperature", "in [0, 100]"),
+        (
+            "/generate",
+            {"text": "hi", "sampling_params": {"max_new_tokens": 2, "min_new_tokens": 3}},
+            "min_new_tokens",
+            "min_new_tokens must not exceed max_new_tokens",
+        ),
         ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"abc": 1}}}, "logit_bias", "token ids"),
         ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 100000}}, "max_tokens", "context length"),
         ("/generate", {"input_ids": [10**9]}, "prompt", "vocabulary"),
@@ -433,6 +468,49 @@ def test_native_generate(base_url):
                 chunks.append(json.loads(line[6:]))
     assert chunks[-1]["meta_info"]["completion_tokens"] == 4
     assert all(chunks[i + 1]["text"].startswith(chunks[i]["text"]) for i in range(len(chunks) - 1))
+
+
+def _sse_payloads(base_url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", base_url + "/generate", json={**body, "stream": True}, timeout=60) as s:
+        assert s.status_code == 200
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def test_native_generate_batches(base_url):
+    """SGLang's batched /generate: a list of texts or id lists (one sampling_params or one per prompt, rids per
+    prompt), and sampling_params.n; answers in prompt order then sample order, each alike to its single request;
+    streamed payloads carry their index. A generated rid is reported as meta_info.id (it can be aborted)."""
+    greedy = {"max_new_tokens": 5, "temperature": 0}
+    texts = ["The capital of France is", "One, two,"]
+    singles = [httpx.post(base_url + "/generate", json={"text": t, "sampling_params": greedy}).json() for t in texts]
+    assert all(len(s["meta_info"]["id"]) >= 16 for s in singles)
+    r = httpx.post(base_url + "/generate", json={"text": texts, "sampling_params": greedy, "rid": ["a", "b"]})
+    assert r.status_code == 200
+    batch = r.json()
+    assert [b["text"] for b in batch] == [s["text"] for s in singles]
+    assert [b["meta_info"]["id"] for b in batch] == ["a", "b"]
+    ids = [s["output_ids"] for s in singles]
+    per_prompt = [greedy, {**greedy, "max_new_tokens": 2}]
+    by_ids = httpx.post(base_url + "/generate", json={"input_ids": ids, "sampling_params": per_prompt}).json()
+    assert [b["meta_info"]["completion_tokens"] for b in by_ids] == [5, 2]
+    sampled = {"max_new_tokens": 8, "temperature": 1.0, "seed": 7, "n": 3}
+    three = httpx.post(base_url + "/generate", json={"text": texts[0], "sampling_params": sampled}).json()
+    assert len(three) == 3 and len({t["text"] for t in three}) > 1  # seeds 7, 8, 9
+    again = httpx.post(base_url + "/generate", json={"text": texts[0], "sampling_params": sampled}).json()
+    assert [t["text"] for t in again] == [t["text"] for t in three]
+    payloads = _sse_payloads(base_url, {"text": texts, "sampling_params": greedy})
+    assert {p["index"] for p in payloads} == {0, 1}
+    last = {p["index"]: p["text"] for p in payloads}
+    assert [last[0], last[1]] == [s["text"] for s in singles]
+    for body, param in (
+        ({"text": texts, "sampling_params": [greedy]}, "sampling_params"),
+        ({"text": texts, "rid": ["a"]}, "rid"),
+        ({"text": []}, "text"),
+        ({"text": "hi", "sampling_params": {"n": 0}}, "n"),
+        ({"text": ["hi", "hello " * 9000], "sampling_params": greedy}, "prompt"),  # one bad prompt fails the batch
+    ):
+        r = httpx.post(base_url + "/generate", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
 
 
 def test_client_disconnect_aborts_and_frees_kv(base_url, model_name):

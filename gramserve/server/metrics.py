@@ -180,9 +180,16 @@ def scheduler_families(info: dict, output_checks: dict, model: str) -> Iterable[
         family.add_metric([model], float(value or 0))
         return family
 
-    def counter(name: str, doc: str, value, **labels: str) -> CounterMetricFamily:
-        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", *labels])
-        family.add_metric([model, *labels.values()], float(value or 0))
+    def counter(name: str, doc: str, value) -> CounterMetricFamily:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        family.add_metric([model], float(value or 0))
+        return family
+
+    def labelled(name: str, doc: str, label: str, values: dict, keys: tuple[str, ...]) -> CounterMetricFamily:
+        """One family, a sample per key (one HELP and TYPE line: strict parsers refuse a family given twice)."""
+        family = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", label])
+        for key in keys:
+            family.add_metric([model, key], float(values.get(key) or 0))
         return family
 
     pool, cache, stats = info.get("kv_pool", {}), info.get("prefix_cache", {}), info.get("stats", {})
@@ -197,9 +204,8 @@ def scheduler_families(info: dict, output_checks: dict, model: str) -> Iterable[
     yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", cache.get("hit_tokens"))
     yield counter("num_preemptions", "Requests sent back to the queue for lack of KV", stats.get("retractions"))
     compiles = info.get("grammar_compiles") or {}
-    for source in ("compiled", "shared", "cache", "disk", "failed"):
-        doc = "Grammar requests by how they were answered"
-        yield counter("grammar_compiles", doc, compiles.get(source), source=source)
+    doc = "Grammar requests by how they were answered"
+    yield labelled("grammar_compiles", doc, "source", compiles, ("compiled", "shared", "cache", "disk", "failed"))
     timing = info.get("grammar_timing") or {}
     yield counter("grammar_loop_bans", "Masks narrowed by the loop guard", timing.get("loop_bans"))
     for name, key, doc in (
@@ -209,9 +215,9 @@ def scheduler_families(info: dict, output_checks: dict, model: str) -> Iterable[
         family = _histogram_family(name, doc, info.get(key), model)
         if family is not None:
             yield family
-    for result in ("checked", "invalid", "unchecked", "retried", "recovered"):
-        doc = "Last checks of constrained outputs, by result"
-        yield counter("output_checks", doc, output_checks.get(result), result=result)
+    doc = "Last checks of constrained outputs, by result"
+    results = ("checked", "invalid", "unchecked", "retried", "recovered")
+    yield labelled("output_checks", doc, "result", output_checks, results)
 
 
 class _Snapshot:

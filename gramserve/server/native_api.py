@@ -1,4 +1,5 @@
-"""SGLang's native endpoints: /generate (text or input_ids plus a sampling_params dict) and /abort_request."""
+"""SGLang's native endpoints: /generate (text or input_ids plus a sampling_params dict, or a batch of them) and
+/abort_request."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gramserve.config import ServerArgs
 from gramserve.server import protocol as P
 from gramserve.server.errors import InvalidRequestError
+from gramserve.server.native_batch import split_generate
 from gramserve.server.native_serving import NativeServing
 from gramserve.server.request_body import parse_body, read_json_object
 from gramserve.server.streaming import sse_stream
@@ -20,11 +22,17 @@ def native_router(args: ServerArgs, tm: TokenizerManager) -> APIRouter:
 
     @router.post("/generate")
     async def generate(request: Request):
-        req = await parse_body(request, P.GenerateRequest)
-        if req.stream:
-            payloads = await serving.generate_stream(req, request.is_disconnected)
+        reqs, many = split_generate(await parse_body(request, P.GenerateRequest), args.max_n)
+        watch = request.is_disconnected
+        if reqs[0].stream:
+            if many:
+                payloads = await serving.generate_many_stream(reqs, watch)
+            else:
+                payloads = await serving.generate_stream(reqs[0], watch)
             return StreamingResponse(sse_stream(payloads), media_type="text/event-stream")
-        return JSONResponse(await serving.generate(req, request.is_disconnected))
+        if many:
+            return JSONResponse(await serving.generate_many(reqs, watch))
+        return JSONResponse(await serving.generate(reqs[0], watch))
 
     @router.post("/abort_request")
     async def abort_request(request: Request):

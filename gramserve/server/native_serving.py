@@ -1,11 +1,14 @@
 """SGLang's native generation: a GenerateRequest (text or input_ids plus a sampling_params dict) run through the
 TokenizerManager, answered as SGLang's {"text", "output_ids", "meta_info"} payload, whole or as a stream of
-payloads that each carry the whole output so far. Used by the /generate route and by Engine.generate."""
+payloads that each carry the whole output so far; a batch (native_batch.py) as a list of payloads, or one stream of
+all their payloads, each with its `index`. Used by the /generate route and by Engine.generate."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from gramserve.config import ServerArgs
 from gramserve.messages import GrammarRequest, TokenLogprob
@@ -13,7 +16,7 @@ from gramserve.sampling.params import SamplingParams
 from gramserve.server import protocol as P
 from gramserve.server.request_checks import check_native_prompt, check_prompt
 from gramserve.server.sampling_request import native_sampling_params
-from gramserve.server.streaming import prefetch_first
+from gramserve.server.streaming import interleave, prefetch_first
 from gramserve.server.structured_outputs import grammar_from_fields
 from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 
@@ -45,7 +48,7 @@ class NativeSetup:
 
 def payload(req: P.GenerateRequest, text: str, ids: list[int], out: GenerateOutput, lps: list[TokenLogprob]) -> dict:
     meta = {
-        "id": req.rid,
+        "id": req.rid,  # the client's rid, or the one native_batch gave it
         "finish_reason": out.finished.to_json() if out.finished else None,
         "prompt_tokens": out.prompt_tokens,
         "completion_tokens": out.completion_tokens,
@@ -130,3 +133,35 @@ class NativeServing:
                 await gen.aclose()
 
         return payloads()
+
+    async def generate_many(self, reqs: list[P.GenerateRequest], is_disconnected=None) -> list[dict]:
+        """The answers of single requests run at once (a batch), in their order; the first failure raises and the
+        others are aborted."""
+        return await gather_all(lambda r: self.generate(r, is_disconnected), reqs)
+
+    async def generate_many_stream(self, reqs: list[P.GenerateRequest], is_disconnected=None) -> AsyncIterator[dict]:
+        """Every request's payloads as they come, each with its request's `index`; every request is validated and
+        has its first output before the stream starts (errors raise here)."""
+        streams = await gather_all(lambda r: self.generate_stream(r, is_disconnected), reqs, close=True)
+
+        async def payloads() -> AsyncIterator[dict]:
+            async for index, item in interleave(streams):
+                yield {**item, "index": index}
+
+        return payloads()
+
+
+async def gather_all(one: Callable[[Any], Awaitable[Any]], items: list, close: bool = False) -> list:
+    """`one(item)` for every item at once, the results in order; the first failure cancels the others and raises.
+    `close`: the results are async generators, closed if another call fails (their engine requests are aborted)."""
+    tasks = [asyncio.ensure_future(one(item)) for item in items]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        if close:
+            for t in tasks:
+                if t.done() and not t.cancelled() and t.exception() is None:
+                    await t.result().aclose()
+        raise

@@ -266,9 +266,10 @@ class OpenAIServing:
             messages = with_schema_in_prompt(messages, grammar.text)
         if tools is not None:
             kwargs["tools"] = tools
-        input_ids = self.tm.apply_chat_template(
-            messages, req.add_generation_prompt, req.continue_final_message, **kwargs
-        )
+        # vLLM's two template switches are accepted inside chat_template_kwargs too
+        add_generation_prompt = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
+        continue_final_message = kwargs.pop("continue_final_message", req.continue_final_message)
+        input_ids = self.tm.apply_chat_template(messages, add_generation_prompt, continue_final_message, kwargs)
         images: tuple[ImageInput, ...] = ()
         if processor is not None:  # also without images: an image token typed in a text part is refused
             input_ids, images = self._images(input_ids, urls)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 # Ranges checked where a request is parsed, so no value can overflow a C integer further in.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # any 64-bit seed, signed or not
@@ -74,6 +74,21 @@ class SamplingFields(BaseModel):
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)  # lower runs first
     # SGLang's way to pick a LoRA adapter by name (OpenAI clients pick it with `model`)
     lora_path: Optional[str] = Field(None, min_length=1, max_length=256)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI's API marks its optional fields nullable, and clients and proxies send `null` for them: a null
+        stands for the field's default (`"n": null` is n = 1), as if it was left out. Required fields stay null
+        (and are refused)."""
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        fields = cls.model_fields
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None
+        }
 
 
 class TextContentPart(BaseModel):
@@ -150,6 +165,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Optional[int] = None
     echo: bool = False
     suffix: Optional[str] = None
+    best_of: Optional[int] = None  # only best_of = n is served (the n samples are all returned)
 
 
 class AbortRequest(BaseModel):
@@ -180,17 +196,21 @@ class NativeSamplingParams(BaseModel):
     skip_special_tokens: Optional[bool] = None
 
 
+_Rid = Annotated[str, Field(min_length=1, max_length=256)]
+
+
 class GenerateRequest(BaseModel):
-    """SGLang's native endpoint: text or input_ids plus a sampling_params dict."""
+    """SGLang's native endpoint: text or input_ids plus a sampling_params dict; or a batch: a list of texts (or of
+    id lists), with one sampling_params dict or one per prompt and one rid per prompt (native_batch.py splits it)."""
 
     model_config = ConfigDict(extra="allow")
-    text: Optional[str] = None
-    input_ids: Optional[list[int]] = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Union[dict[str, Any], list[dict[str, Any]]] = Field(default_factory=dict)
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_NATIVE_TOP_LOGPROBS)
-    rid: Optional[str] = Field(None, min_length=1, max_length=256)
+    rid: Optional[Union[_Rid, list[_Rid]]] = None
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     lora_path: Optional[str] = Field(None, min_length=1, max_length=256)  # a LoRA adapter's name
 

@@ -40,6 +40,10 @@ def check_chat_messages(req: P.ChatCompletionRequest) -> None:
 def check_completion_options(req: P.CompletionRequest) -> None:
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
         raise InvalidRequestError(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}] for completions", "logprobs")
+    if req.best_of is not None and req.best_of < req.n:
+        raise InvalidRequestError(f"best_of must be greater than or equal to n, got {req.best_of} < {req.n}", "best_of")
+    if req.best_of is not None and req.best_of > req.n:
+        raise InvalidRequestError("best_of greater than n is not supported (ask for n samples instead)", "best_of")
     if req.echo:
         raise InvalidRequestError("echo is not supported", "echo")
     if req.suffix:

@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from gramserve.sampling.params import SamplingParams
+from gramserve.sampling.params import SamplingParams, SamplingParamsError
 from gramserve.server import protocol as P
 from gramserve.server.errors import InvalidRequestError
 
@@ -84,7 +84,24 @@ def requested_max_tokens(req: P.SamplingFields) -> int | None:
     return req.max_tokens
 
 
+def _named_as_sent(exc: SamplingParamsError, names: dict[str, str]) -> SamplingParamsError:
+    """The error with the request's own field names (`names`: ours -> the request's) in its param and message."""
+    message = str(exc)
+    for ours, theirs in names.items():
+        message = message.replace(ours, theirs)
+    return SamplingParamsError(message, names.get(exc.param, exc.param))
+
+
 def openai_sampling_params(req: P.SamplingFields, vocab_size: int) -> SamplingParams:
+    try:
+        return _openai_sampling_params(req, vocab_size)
+    except SamplingParamsError as exc:
+        if isinstance(req, P.ChatCompletionRequest) and req.max_completion_tokens is not None:
+            raise _named_as_sent(exc, {"max_tokens": "max_completion_tokens"}) from None
+        raise
+
+
+def _openai_sampling_params(req: P.SamplingFields, vocab_size: int) -> SamplingParams:
     return build_sampling_params(
         vocab_size,
         max_tokens=requested_max_tokens(req),
@@ -118,4 +135,7 @@ def native_sampling_params(sampling_params: dict[str, Any], vocab_size: int) -> 
     fields = {_NATIVE_RENAMES.get(k, k): v for k, v in fields.items()}
     if typed.sampling_seed is not None:
         fields["seed"] = typed.sampling_seed
-    return build_sampling_params(vocab_size, **fields)
+    try:
+        return build_sampling_params(vocab_size, **fields)
+    except SamplingParamsError as exc:
+        raise _named_as_sent(exc, {v: k for k, v in _NATIVE_RENAMES.items()}) from None
