@@ -146,8 +146,9 @@ class Engine:
     ) -> dict | list[dict] | Iterator[dict]:
         """One prompt (text or `input_ids`) -> its answer {"text", "output_ids", "meta_info"}; a list of prompts ->
         the list of answers, run as one batch. `sampling_params`: one dict, or one per prompt. `options`: the
-        /generate fields `return_logprob`, `top_logprobs_num`, `rid`, `priority`. `stream=True` (one prompt):
-        an iterator of answers, each holding the whole output so far."""
+        /generate fields `return_logprob`, `top_logprobs_num`, `rid`, `priority`; `n` in `sampling_params` gives n
+        answers a prompt. `stream=True`: an iterator of answers, each holding the whole output so far (a batch's
+        carry their `index`)."""
         reqs, many = self._generate_requests(prompt, sampling_params, input_ids, stream, options)
         if stream:
             return self._iterate(self._generate_stream(reqs, many))
