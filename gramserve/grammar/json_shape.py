@@ -23,7 +23,9 @@ ending as a copy of an earlier one: while the item's last string is written and 
 an earlier item, the tokens that would end that string as the earlier item's did (the rest of the item being only its
 closing brackets) are banned (``duplicate_endings``), and the model writes another character instead: two copies of
 ``{"Key": "1234567890", "Value": "1234567890"}`` would fail the check. A model that copies items keeps on writing
-near-copies, so the array is stalled after that item.
+near-copies, so the array is stalled after that item. Where such an array's items come from a small closed set (an
+enum, booleans, a narrow integer range), a copy cannot be altered, so each item is kept to the values not used yet
+instead (``unique_choices``, unique_choices.py).
 """
 
 from __future__ import annotations
