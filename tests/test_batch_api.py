@@ -234,8 +234,9 @@ def test_bad_batch_requests_get_openai_errors(client):
     with pytest.raises(openai.BadRequestError) as exc:
         client.batches.list(after="batch_nope")
     assert_error_json(exc.value, 400, "after")
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as exc:
         client.batches.list(limit=0)
+    assert_error_json(exc.value, 400, "limit")  # the query field's name, not FastAPI's "query"
 
 
 # --- files -------------------------------------------------------------------------------------------------

@@ -42,7 +42,10 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     """A request body's validation errors (pydantic's `errors()`) as one message, and the first field named."""
     parts, param = [], None
     for err in errors:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = list(err.get("loc", ()))
+        if loc[:1] in (["body"], ["query"], ["path"]):  # FastAPI's location of the field, not part of its name
+            loc = loc[1:]
+        loc = [str(x) for x in loc]
         if param is None and loc:
             param = loc[0]
         parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
