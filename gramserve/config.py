@@ -197,6 +197,8 @@ class ServerArgs:
 
     def __post_init__(self):
         # Combinations argparse cannot check alone (the command line turns these into usage errors).
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.grammar_shards is not None and self.grammar_shards < 1:
             raise ValueError(f"grammar_shards must be at least 1, got {self.grammar_shards}")
         if self.sampling_backend == "flashinfer" and device_kind(self.device) != "cuda":

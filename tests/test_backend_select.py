@@ -74,6 +74,8 @@ def test_device_defaults_fill_what_the_command_line_leaves_out(monkeypatch):
             parser.parse_args(["--grammar-shards", bad])
     with pytest.raises(ValueError, match="grammar_shards"):
         ServerArgs(grammar_shards=0)
+    with pytest.raises(ValueError, match="port must be in"):  # uvicorn started "on" port 99999
+        ServerArgs(port=99999)
     # auto on this machine: whatever torch sees.
     auto = resolve_settings(ServerArgs())
     device = "cuda" if torch.cuda.is_available() else "cpu"
