@@ -208,6 +208,7 @@ class ServerArgs:
             object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules))
         object.__setattr__(self, "allowed_media_domains", tuple(d.lower() for d in self.allowed_media_domains))
         names = ("max_file_bytes", "batch_max_requests", "batch_max_in_flight", "max_loras_per_batch")
+        names += ("context_length", "max_running_requests", "max_n", "num_threads", "cpu_kernel_threads")
         names += ("max_image_bytes", "max_image_pixels", "max_images_per_request")
         for name in names:
             value = getattr(self, name)
@@ -218,6 +219,8 @@ class ServerArgs:
                 f"max_loaded_loras ({self.max_loaded_loras}) must be at least max_loras_per_batch "
                 f"({self.max_loras_per_batch})"
             )
+        if self.kv_cache_memory_gb is not None and not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be more than 0, got {self.kv_cache_memory_gb}")
         for name in ("tp_size", "dp_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

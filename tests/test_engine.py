@@ -101,6 +101,10 @@ def test_streams_end_with_the_whole_answer(engine):
     pieces = list(engine.generate("Once upon a time", GREEDY, stream=True))
     assert pieces[-1]["text"] == whole["text"] and pieces[-1]["meta_info"]["finish_reason"] == {"type": "length"}
     assert len(pieces) > 1
+    # each payload keeps the ids it had when handed out (they shared one list, which grew to the final ids)
+    for p in pieces:
+        assert len(p["output_ids"]) == p["meta_info"]["completion_tokens"], p
+    assert pieces[-1]["output_ids"] == whole["output_ids"]
 
     messages = [{"role": "user", "content": "Count to five."}]
     answer = engine.chat(messages, temperature=0, max_tokens=10)["choices"][0]["message"]["content"]

@@ -127,3 +127,11 @@ def test_extract_refuses_a_bad_schema_before_loading_the_model(tmp_path):
     cmd = [sys.executable, "-m", "gramserve", "extract", "--schema", str(schema), "--input", str(docs)]
     run = subprocess.run([*cmd, "--output", str(tmp_path / "o.jsonl")], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "gramserve extract:" in run.stderr and "no-such-type" in run.stderr
+
+    # settings that would fail every document are usage errors too (a re-run would skip those documents as done)
+    good = tmp_path / "good.json"
+    good.write_text('{"type": "object", "properties": {"a": {"type": "string"}}}')
+    for flag, value in (("--max-tokens", "0"), ("--temperature", "-1"), ("--limit", "-1")):
+        cmd = [sys.executable, "-m", "gramserve", "extract", "--schema", str(good), "--input", str(docs), flag, value]
+        run = subprocess.run([*cmd, "--output", str(tmp_path / "o.jsonl")], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and flag in run.stderr, (flag, run.stderr)

@@ -367,6 +367,19 @@ def test_history_with_tool_results(client, model_name):
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, None),
         ({"tools": TOOLS, "grammar_backend": "nope"}, "grammar_backend"),
+        # a schema no backend can serve is the tools' fault, not response_format's
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"properties": {"a": {"pattern": "(["}}}},
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
     ],
 )
 def test_bad_tool_requests_get_400(base_url, model_name, body, param):
@@ -566,3 +579,21 @@ def test_native_template_gets_tools_and_dict_arguments(native_server):
     )
     assert '"arguments": {"city": "Paris", "unit": "celsius"}' in text
     assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(text, add_special_tokens=False))
+
+
+def test_a_function_without_parameters_takes_none(client, model_name):
+    """OpenAI: omitting `parameters` defines a function with an empty parameter list. Its calls' arguments are {}
+    (they held any keys the model made up: {"city": "Paris", ...})."""
+    now = {"type": "function", "function": {"name": "now", "description": "The current time."}}
+    for seed in range(3):
+        out = client.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": "What time is it in Paris?"}],
+            tools=[now],
+            tool_choice="required",
+            max_tokens=40,
+            temperature=1.0,
+            seed=seed,
+        )
+        calls = out.choices[0].message.tool_calls
+        assert calls and all(c.function.name == "now" and json.loads(c.function.arguments) == {} for c in calls), out

@@ -167,6 +167,14 @@ class ExtractionJob:
             raise ValueError(f"--output {config.output_path}: the folder {out_dir} does not exist or is not writable")
         if config.concurrency is not None and config.concurrency < 1:
             raise ValueError(f"--concurrency must be at least 1, got {config.concurrency}")
+        # checked here, not per document: a bad setting would write every document as an error, which a re-run
+        # then skips as done
+        if config.max_tokens < 1:
+            raise ValueError(f"--max-tokens must be at least 1, got {config.max_tokens}")
+        if not 0 <= config.temperature <= 100:
+            raise ValueError(f"--temperature must be in [0, 100], got {config.temperature}")
+        if config.limit is not None and config.limit < 1:
+            raise ValueError(f"--limit must be at least 1, got {config.limit}")
         cls = jsonschema.validators.validator_for(self.schema)
         self.validator = cls(self.schema, format_checker=cls.FORMAT_CHECKER)
         name = os.path.splitext(os.path.basename(config.schema_path))[0] or "extraction"

@@ -18,6 +18,8 @@ import time
 import uvicorn
 
 from gramserve.config import ServerArgs, ServerConfig
+from gramserve.model.loader import ModelNotFoundError
+from gramserve.model.lora.adapter import LoRAAdapterError
 from gramserve.server.processes import EngineProcesses, StartupError, run_follower_node, start_engine_processes
 
 logger = logging.getLogger("gramserve")
@@ -150,4 +152,8 @@ def _serve(engine: EngineProcesses) -> int:
 
 
 def main(args: ServerArgs) -> None:
-    sys.exit(launch_server(args))
+    try:
+        sys.exit(launch_server(args))
+    except (ModelNotFoundError, LoRAAdapterError) as exc:  # what the user gave: its message, not a traceback
+        print(f"gramserve serve: error: {exc}", file=sys.stderr)
+        sys.exit(2)

@@ -126,8 +126,8 @@ class NativeServing:
             try:
                 async for out in gen:
                     text += out.text
-                    ids += out.token_ids
-                    lps += out.logprobs or []
+                    ids = ids + out.token_ids  # a new list each time: a payload handed out must not grow after
+                    lps = lps + (out.logprobs or [])
                     yield payload(req, text, ids, out, lps)
             finally:
                 await gen.aclose()

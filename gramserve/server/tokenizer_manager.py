@@ -64,10 +64,10 @@ PREP_THREADS = 4  # request preparation (templates, tokenizing, grammar texts) o
 HEALTH_CHECK_S = 1.0  # how often in-flight requests are failed when the server cannot serve (health.py)
 
 
-def _error_of(fin: FinishReason, constrained: bool) -> Exception:
-    """The exception an engine request that ended with an error status raises."""
+def _error_of(fin: FinishReason, param: str | None) -> Exception:
+    """The exception an engine request that ended with an error status raises (`param`: the field of a 400)."""
     if fin.status_code == 400:
-        return InvalidRequestError(fin.message or "invalid request", "response_format" if constrained else None)
+        return InvalidRequestError(fin.message or "invalid request", param)
     if fin.status_code == 503:
         return ServerBusyError(fin.message or "server busy")
     if fin.status_code == 404:
@@ -448,7 +448,8 @@ class TokenizerManager:
                     state.finished = True
                     if streamed and out.completion_tokens > 0 and out.token_ids:
                         yield replace(out, finished=None)
-                    raise _error_of(fin, grammar is not None)
+                    param = "tools" if isinstance(target, ToolPlan) else "response_format" if grammar else None
+                    raise _error_of(fin, param)
                 if repeated:  # the choice ends here (chat_output.py): stop the engine request now
                     self.to_scheduler.send_pyobj(AbortReq(rid))
                     state.finished = True
@@ -531,7 +532,7 @@ class TokenizerManager:
 
 def _record_failure(watch: RequestWatch, exc: Exception, grammar: GrammarRequest | None) -> None:
     if isinstance(exc, InvalidRequestError):
-        refused = grammar is not None and exc.param == "response_format"
+        refused = grammar is not None and exc.param in ("response_format", "tools")
         watch.failed("invalid_request", refusal=str(exc) if refused else None)
     elif isinstance(exc, ServerBusyError):
         watch.failed("queue_full")

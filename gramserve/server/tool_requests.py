@@ -18,6 +18,7 @@ from typing import Any, Literal
 from gramserve.config import ServerArgs
 from gramserve.messages import GrammarRequest
 from gramserve.parsers.tool_calls import ToolCallParser, ToolFunction, bound_calls, get_tool_call_parser
+from gramserve.parsers.tool_calls.base import EMPTY_PARAMETERS
 from gramserve.server import protocol as P
 from gramserve.server.errors import InvalidRequestError
 from gramserve.server.structured_outputs import _schema_text, _structural_tag_text, with_system_text
@@ -25,7 +26,6 @@ from gramserve.server.structured_outputs import _schema_text, _structural_tag_te
 ToolMode = Literal["none", "auto", "required", "named"]
 # OpenAI's newer names for roles that chat templates know by the older ones
 _TEMPLATE_ROLES = {"developer": "system", "function": "tool"}
-EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 MAX_TOOLS = 128  # as OpenAI
 
 

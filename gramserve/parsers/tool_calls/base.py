@@ -22,7 +22,8 @@ import regex
 
 ToolChoiceMode = Literal["auto", "required", "named"]
 
-EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+# A function given without parameters takes none (OpenAI: "an empty parameter list"): its arguments are {}.
+EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
 @dataclass
