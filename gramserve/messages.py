@@ -181,6 +181,7 @@ class BatchTokenOut:
     stop_strs: list[tuple[str, ...]]
     skip_special_tokens: list[bool]
     grammar_backends: list[str | None] = field(default_factory=list)
+    include_stop_strs: list[bool] = field(default_factory=list)  # empty: none keeps its stop string
 
     @classmethod
     def aborted(cls, rids: list[str], message: str, status_code: int) -> BatchTokenOut:

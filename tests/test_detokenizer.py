@@ -478,3 +478,12 @@ def test_detokenizer_process_end_to_end(tok, detok_process):
     assert last.rids == ["r"] and last.finished == [FinishReason("length")]
     assert first.text_deltas[0] + last.text_deltas[0] == "Bonjour 😀!"
     assert proc.is_alive()
+
+
+def test_a_kept_stop_string_ends_the_text():
+    """keep (include_stop_str_in_output / no_stop_trim): the text ends with the matched stop string, however the
+    stream was chunked, and nothing after it."""
+    for pieces in (["abcSTOPdef"], ["abcS", "TO", "Pdef"], list("abcSTOPdef")):
+        flt = StopStringFilter(["STOP"], keep=True)
+        out = "".join(flt.push(p) for p in pieces) + flt.flush()
+        assert out == "abcSTOP" and flt.matched == "STOP", pieces

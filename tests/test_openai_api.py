@@ -170,7 +170,7 @@ def test_seed_reproducibility(client, model_name):
     assert a != c
 
 
-def test_stop_strings(client, model_name):
+def test_stop_strings(client, model_name, base_url):
     base = client.completions.create(model=model_name, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0)
     text = base.choices[0].text
     assert " 8" in text, text
@@ -192,6 +192,39 @@ def test_stop_strings(client, model_name):
         model=model_name, prompt="1, 2, 3, 4, 5, 6,", max_tokens=12, temperature=0, stop=[", 9,"]
     )
     assert ", 9," not in resp2.choices[0].text and resp2.choices[0].finish_reason == "stop"
+    # vLLM's include_stop_str_in_output (SGLang's no_stop_trim on /generate): the text ends with the stop string
+    kept = client.completions.create(
+        model=model_name,
+        prompt="1, 2, 3, 4, 5, 6,",
+        max_tokens=12,
+        temperature=0,
+        stop=[", 9,"],
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].text == resp2.choices[0].text + ", 9," and kept.choices[0].finish_reason == "stop"
+    streamed_kept = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model_name,
+            prompt="1, 2, 3, 4, 5, 6,",
+            max_tokens=12,
+            temperature=0,
+            stop=[", 9,"],
+            stream=True,
+            extra_body={"include_stop_str_in_output": True},
+        )
+        if c.choices
+    )
+    assert streamed_kept == kept.choices[0].text
+    native = httpx.post(
+        base_url + "/generate",
+        json={
+            "text": "1, 2, 3, 4, 5, 6,",
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "stop": [", 9,"], "no_stop_trim": True},
+        },
+        timeout=60,
+    ).json()
+    assert native["text"].endswith(", 9,"), native
 
 
 def test_stop_token_ids_and_ignore_eos(client, model_name):

@@ -78,7 +78,8 @@ class IncrementalDecoder:
 
 
 class StopStringFilter:
-    """Truncates streamed text at the first stop string, which never appears in the output.
+    """Truncates streamed text at the first stop string, which never appears in the output (with `keep`, the text
+    ends with it: vLLM's include_stop_str_in_output, SGLang's no_stop_trim).
 
     "First" means the occurrence that completes earliest in the stream (ties: the longer one),
     so the result does not depend on how the text was chunked. While streaming, the longest
@@ -86,8 +87,9 @@ class StopStringFilter:
     no longer start a stop string, or by `flush()` at the end.
     """
 
-    def __init__(self, stop_strs: Iterable[str] = ()) -> None:
+    def __init__(self, stop_strs: Iterable[str] = (), keep: bool = False) -> None:
         self.stop_strs: tuple[str, ...] = tuple(s for s in dict.fromkeys(stop_strs) if s)
+        self.keep = keep
         self.matched: str | None = None
         self._held = ""
 
@@ -112,7 +114,7 @@ class StopStringFilter:
             end, neg_len, s = best
             self.matched = s
             self._held = ""
-            return buf[: end + neg_len]
+            return buf[:end] if self.keep else buf[: end + neg_len]
         hold = self._partial_match_len(buf)
         self._held = buf[len(buf) - hold :]
         return buf[: len(buf) - hold]

@@ -72,7 +72,9 @@ class DetokenizerManager:
             if state is None:
                 state = _RequestState(
                     IncrementalDecoder(self.tokenizer, skip_special_tokens=batch.skip_special_tokens[i]),
-                    StopStringFilter(batch.stop_strs[i]),
+                    StopStringFilter(
+                        batch.stop_strs[i], keep=bool(batch.include_stop_strs and batch.include_stop_strs[i])
+                    ),
                 )
                 self.states[rid] = state
             new_ids = batch.new_token_ids[i]

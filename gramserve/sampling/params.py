@@ -34,6 +34,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str: bool = False  # the matched stop string ends the text instead of being cut (vLLM, SGLang)
 
     @property
     def greedy(self) -> bool:

@@ -31,11 +31,11 @@ UPLOAD_BODY = {
 }
 
 # (path, method): (request body: a model (JSON), a content dict, or None; 200 answer: a model, "object" (any JSON
-# object), "text", "binary" or "empty"; whether it may stream)
+# object), "objects" (an object, or a list of them: a batch), "text", "binary" or "empty"; whether it may stream)
 ROUTES: dict[tuple[str, str], tuple[type[BaseModel] | dict | None, type[BaseModel] | str, bool]] = {
     ("/v1/chat/completions", "post"): (P.ChatCompletionRequest, P.ChatCompletionResponse, True),
     ("/v1/completions", "post"): (P.CompletionRequest, P.CompletionResponse, True),
-    ("/generate", "post"): (P.GenerateRequest, "object", True),
+    ("/generate", "post"): (P.GenerateRequest, "objects", True),
     ("/abort_request", "post"): (P.AbortRequest, "object", False),
     ("/v1/models", "get"): (None, P.ModelList, False),
     ("/v1/models/{model_id}", "get"): (None, P.ModelCard, False),
@@ -94,7 +94,12 @@ def install_typed_openapi(app: FastAPI) -> None:
             elif answer == "binary":
                 ok = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
             else:
-                schema = {"type": "object"} if answer == "object" else refs[(answer, "validation")]
+                if answer == "object":
+                    schema = {"type": "object"}
+                elif answer == "objects":
+                    schema = {"oneOf": [{"type": "object"}, {"type": "array", "items": {"type": "object"}}]}
+                else:
+                    schema = refs[(answer, "validation")]
                 ok = {"application/json": {"schema": schema}}
             if streams:
                 ok["text/event-stream"] = {"schema": {"type": "string"}}

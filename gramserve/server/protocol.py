@@ -59,6 +59,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: Optional[list[int]] = None
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # vLLM's: the matched stop string ends the text
     # structured outputs (see gramserve/server/structured_outputs.py for every accepted spelling)
     response_format: Optional[dict[str, Any]] = None
     regex: Optional[str] = None
@@ -194,6 +195,7 @@ class NativeSamplingParams(BaseModel):
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
+    no_stop_trim: Optional[bool] = None  # SGLang's: the matched stop string ends the text
 
 
 _Rid = Annotated[str, Field(min_length=1, max_length=256)]

@@ -18,7 +18,7 @@ from gramserve.server.errors import InvalidRequestError
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat has none (up to the context)
 
 # Native sampling_params names the builder spells differently (SGLang's names -> OpenAI's).
-_NATIVE_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+_NATIVE_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "no_stop_trim": "include_stop_str"}
 
 
 def _token_bias(bias: dict[Any, Any] | None) -> dict[int, float]:
@@ -53,6 +53,7 @@ def build_sampling_params(
     stop_token_ids: list[int] | None = None,
     ignore_eos: bool | None = None,
     skip_special_tokens: bool | None = None,
+    include_stop_str: bool | None = None,
 ) -> SamplingParams:
     """Fields as the OpenAI API names them. Raises InvalidRequestError / SamplingParamsError (both 400s)."""
     params = SamplingParams(
@@ -71,6 +72,7 @@ def build_sampling_params(
         stop_token_ids=tuple(stop_token_ids or ()),
         ignore_eos=bool(ignore_eos),
         skip_special_tokens=True if skip_special_tokens is None else skip_special_tokens,
+        include_stop_str=bool(include_stop_str),
     )
     params.validate(vocab_size)
     return params
@@ -119,6 +121,7 @@ def _openai_sampling_params(req: P.SamplingFields, vocab_size: int) -> SamplingP
         stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos,
         skip_special_tokens=req.skip_special_tokens,
+        include_stop_str=req.include_stop_str_in_output,
     )
 
 
