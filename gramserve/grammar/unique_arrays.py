@@ -188,8 +188,8 @@ def _int_range(schema: dict) -> range | None:
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
             return None  # draft 4's boolean exclusive bounds, or no bound at all
         to.append(bound(b))
-    if not lows or not highs or not 0 <= max(highs) - max(lows) < _MAX_INT_RANGE:
-        return None
+    if not lows or not highs or not 0 <= min(highs) - max(lows) < _MAX_INT_RANGE:
+        return None  # open, too wide, or empty
     step = schema.get("multipleOf")
     values = range(max(lows), min(highs) + 1)
     if step is None:
