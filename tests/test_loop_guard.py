@@ -555,3 +555,25 @@ def test_random_walks_fill_unique_arrays_of_closed_sets_without_copies(tokenizer
         except jsonschema.ValidationError:
             copies += 1
     assert copies >= 4
+
+
+def test_a_closed_set_array_is_not_closed_early_by_the_copy_rule(tokenizer):
+    """An item on its way to a value that extends a used one ("ab" after "a") looked like a copy in the making at
+    `"a`: the copy rule then stalled the array after it and kept only `]`, with a value left."""
+    json_tokens = JsonTokens.of(tokenizer, len(tokenizer))
+    single = {t: i for i, t in enumerate(json_tokens.texts) if len(t) == 1}
+    unique = UniqueArrays(frozenset({"t"}), False, (("t", frozenset({'"a"', '"ab"', '"c"'})),))
+    guard = LoopGuard(DigitTokens.of(tokenizer), json_tokens, unique)
+    for c in '{"t": ["a", "ab"':
+        guard.accept(single[c])
+        guard.banned()
+    keep, _ = guard.narrowing()
+    assert keep is not None
+    kept = {json_tokens.texts[i] for i in np.flatnonzero(np.unpackbits(keep.view(np.uint8), bitorder="little"))}
+    assert "," in kept and "]" in kept  # "c" is left: the array may go on, or end
+    for c in ', "c"':
+        guard.accept(single[c])
+        guard.banned()
+    keep, _ = guard.narrowing()
+    kept = {json_tokens.texts[i] for i in np.flatnonzero(np.unpackbits(keep.view(np.uint8), bitorder="little"))}
+    assert "]" in kept and "," not in kept  # none left

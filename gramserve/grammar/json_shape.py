@@ -89,6 +89,7 @@ class JsonTokens:
         return self._values
 
     def bitmask(self, tokens) -> np.ndarray:
+        """A bitmask (uint32 words) of these token ids."""
         return _bitmask(tokens, self.vocab_size)
 
     @classmethod
@@ -235,8 +236,8 @@ class JsonShape:
         depth = len(opened) - 1
         while depth >= 0 and not opened[depth].array:
             depth -= 1
-        if depth < 0 or not opened[depth].uniques:
-            return []
+        if depth < 0 or not opened[depth].uniques or opened[depth].values is not None:
+            return []  # a closed set's items are kept from copies by unique_choices
         array = opened[depth]
         so_far = "".join(self.chars[array.start - self.base :])
         closers = len(opened) - 1 - depth  # objects and arrays open inside the item

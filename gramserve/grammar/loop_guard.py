@@ -198,12 +198,12 @@ class LoopGuard:
         if shape is None:
             return None, None
         keep = None
-        if shape.string_stalled():
+        if choices := shape.unique_choices():
+            keep = self._json.bitmask(choices)
+        elif shape.string_stalled():
             keep = self._json.string_closers
         elif shape.container_stalled():
             keep = self._json.container_closers
-        elif choices := shape.unique_choices():
-            keep = self._json.bitmask(choices)
         drop = self._json.end_and_comma if shape.item_may_be_last() else None
         return keep, drop
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 _MAX_DEPTH = 16  # $ref hops followed from one property
+_MAX_NODES = 2000  # schemas one walk looks at
 MAX_DOMAIN = 256  # a closed set of item values larger than this is treated as open
 _MAX_INT_RANGE = 64  # an integer range of more values than this is open
 
@@ -30,9 +31,6 @@ class UniqueArrays:
     # member name -> the JSON texts its unique array's items are drawn from (closed sets only)
     domains: tuple[tuple[str, frozenset[str]], ...] = ()
     root_domain: frozenset[str] | None = None
-
-    def domain(self, key: str) -> frozenset[str] | None:
-        return dict(self.domains).get(key)
 
 
 @lru_cache(maxsize=256)
@@ -72,22 +70,25 @@ def unique_arrays(schema_text: str) -> UniqueArrays:
     return UniqueArrays(frozenset(keys), root, closed, _closed_items(schema, schema) if root else None)
 
 
-def _marks_unique(root: dict, node, depth: int = 0) -> bool:
-    return bool(_unique_nodes(root, node, depth))
+def _marks_unique(root: dict, node) -> bool:
+    return bool(_unique_nodes(root, node))
 
 
-def _unique_nodes(root: dict, node, depth: int = 0) -> list[dict]:
-    """The array schemas marked uniqueItems that `node` is, or holds through $ref and anyOf / oneOf / allOf."""
-    if not isinstance(node, dict) or depth > _MAX_DEPTH:
+def _unique_nodes(root: dict, node, depth: int = 0, budget: list[int] | None = None) -> list[dict]:
+    """The array schemas marked uniqueItems that `node` is, or holds through $ref and anyOf / oneOf / allOf (at most
+    _MAX_NODES schemas looked at: references that branch back into themselves grow exponentially)."""
+    budget = [_MAX_NODES] if budget is None else budget
+    budget[0] -= 1
+    if not isinstance(node, dict) or depth > _MAX_DEPTH or budget[0] < 0:
         return []
     out = [node] if node.get("uniqueItems") is True else []
     ref = node.get("$ref")
     if isinstance(ref, str) and ref.startswith("#/"):
-        out += _unique_nodes(root, _resolve(root, ref), depth + 1)
+        out += _unique_nodes(root, _resolve(root, ref), depth + 1, budget)
     for key in ("anyOf", "oneOf", "allOf"):
         if isinstance(node.get(key), list):
             for member in node[key]:
-                out += _unique_nodes(root, member, depth + 1)
+                out += _unique_nodes(root, member, depth + 1, budget)
     return out
 
 
@@ -100,12 +101,15 @@ def _closed_items(root: dict, node) -> frozenset[str] | None:
     return closed_set(root, arrays[0].get("items"))
 
 
-def closed_set(root: dict, schema, depth: int = 0) -> frozenset[str] | None:
-    """The values a schema allows, as compact JSON texts, if they are few scalars (strings in ASCII); None if open.
+def closed_set(root: dict, schema, depth: int = 0, budget: list[int] | None = None) -> frozenset[str] | None:
+    """The values a schema allows, as compact JSON texts, if they are few scalars (strings in ASCII); None if open
+    (or past _MAX_NODES schemas looked at).
 
     It may be narrower than the schema (a sibling of ``$ref`` in a draft that ignores it): the guard only narrows
     masks, so a value left out is one the output does not pick, never an invalid one."""
-    if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+    budget = [_MAX_NODES] if budget is None else budget
+    budget[0] -= 1
+    if not isinstance(schema, dict) or depth > _MAX_DEPTH or budget[0] < 0:
         return None
     found: frozenset[str] | None = None
 
@@ -126,13 +130,13 @@ def closed_set(root: dict, schema, depth: int = 0) -> frozenset[str] | None:
     narrow(_typed(schema))
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#/"):
-        narrow(closed_set(root, _resolve(root, ref), depth + 1))
+        narrow(closed_set(root, _resolve(root, ref), depth + 1, budget))
     for member in schema.get("allOf") or []:
-        narrow(closed_set(root, member, depth + 1))
+        narrow(closed_set(root, member, depth + 1, budget))
     for key in ("anyOf", "oneOf"):
         members = schema.get(key)
         if isinstance(members, list) and members:
-            sets = [closed_set(root, m, depth + 1) for m in members]
+            sets = [closed_set(root, m, depth + 1, budget) for m in members]
             if all(s is not None for s in sets):
                 narrow(frozenset().union(*sets))
     if found is not None and isinstance(schema.get("type"), (str, list)):
@@ -185,7 +189,7 @@ def _int_range(schema: dict) -> range | None:
         b = schema.get(key)
         if b is None:
             continue
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or (isinstance(b, float) and not math.isfinite(b)):
             return None  # draft 4's boolean exclusive bounds, or no bound at all
         to.append(bound(b))
     if not lows or not highs or not 0 <= min(highs) - max(lows) < _MAX_INT_RANGE:

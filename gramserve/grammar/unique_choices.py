@@ -22,8 +22,9 @@ class ValueTokens:
     (index 1), whitespace outside strings left out:
 
     - ``pieces``: tokens that stay within one scalar value (``"Mo``, ``n"``, ``tru``, ``12``; whitespace only: ``""``);
-    - ``enders``: tokens that reach a ``,`` or ``]`` outside strings, by the text before it: (token, a comma, and
-      the text after the comma up to where it could still be the start of a value, or None if it is more).
+    - ``enders``: tokens that reach a ``,`` or ``]`` outside strings, or whitespace after a number or literal, by the
+      text before it: (token, a comma, and the text after the comma up to where it could still be the start of a
+      value, or None if it is more).
     Tokens with ``[ { } :`` outside strings, or that end inside an escape, are in neither."""
 
     __slots__ = ("pieces", "enders")
@@ -60,6 +61,8 @@ def _read(text: str, in_string: bool) -> tuple[str, str | None, str | None] | No
             elif c == '"':
                 in_string = False
         elif c in _WHITESPACE:
+            if out and out[-1] != '"':
+                return "".join(out), " ", None  # it ends the number or literal before it (`1 `)
             continue
         elif c == '"':
             in_string = True
@@ -90,6 +93,8 @@ def item_choices(
         pairs = [(so_far, "")]
     else:
         pairs = [(v, v[len(so_far) :]) for v in left if v.startswith(so_far)]
+        if not pairs:
+            return []  # on its way to no value left (the set may be narrower than the grammar): the grammar decides
         if not so_far and not in_string:  # before the item: whitespace, or the array's end (the grammar decides)
             out += tokens.pieces[0].get("", ())
             out += [token for token, comma, _ in tokens.enders[0].get("", ()) if not comma]

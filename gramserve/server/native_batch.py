@@ -20,25 +20,27 @@ def split_generate(req: P.GenerateRequest, max_n: int) -> tuple[list[P.GenerateR
         raise InvalidRequestError("give exactly one of text or input_ids", "text")
     key = "text" if req.text is not None else "input_ids"
     value = getattr(req, key)
-    many = isinstance(value, list) if key == "text" else bool(value) and isinstance(value[0], list)
-    prompts = value if many else [value]
-    if many and len(prompts) == 0:
+    batch = isinstance(value, list) if key == "text" else bool(value) and isinstance(value[0], list)
+    prompts = value if batch else [value]
+    if batch and len(prompts) == 0:
         raise InvalidRequestError("the batch of prompts is empty", key)
     params = req.sampling_params
     if isinstance(params, list):
-        if not many or len(params) != len(prompts):
+        if not batch or len(params) != len(prompts):
             raise InvalidRequestError(
-                f"{len(params)} sampling_params for {len(prompts) if many else 'one'} prompt(s)", "sampling_params"
+                f"{len(params)} sampling_params for {len(prompts) if batch else 'one'} prompt(s)", "sampling_params"
             )
     else:
         params = [params] * len(prompts)
     rids = req.rid
-    if isinstance(rids, list) and (not many or len(rids) != len(prompts)):
-        raise InvalidRequestError(f"{len(rids)} rids for {len(prompts) if many else 'one'} prompt(s)", "rid")
+    if isinstance(rids, list) and (not batch or len(rids) != len(prompts)):
+        raise InvalidRequestError(f"{len(rids)} rids for {len(prompts) if batch else 'one'} prompt(s)", "rid")
     out: list[P.GenerateRequest] = []
+    many = batch  # the answer is a list: a batch, or n > 1 below
     for i, (prompt, sampling) in enumerate(zip(prompts, params)):
         sampling = dict(sampling)
-        n = sampling.pop("n", 1)
+        n = sampling.pop("n", None)
+        n = 1 if n is None else n
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_n:
             raise InvalidRequestError(f"sampling_params.n must be an integer in [1, {max_n}], got {n!r}", "n")
         many = many or n > 1
@@ -55,4 +57,6 @@ def split_generate(req: P.GenerateRequest, max_n: int) -> tuple[list[P.GenerateR
                 one[seed_key] = sampling[seed_key] + j  # n samples of one seeded prompt differ, reproducibly
             rid = f"{base}-{j}" if n > 1 else base
             out.append(req.model_copy(update={key: prompt, "sampling_params": one, "rid": rid}))
+    if len({r.rid for r in out}) != len(out):
+        raise InvalidRequestError("the batch's rids must differ (with n > 1 each gets -0, -1, ...)", "rid")
     return out, many

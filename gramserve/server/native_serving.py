@@ -119,20 +119,7 @@ class NativeServing:
     async def generate_stream(self, req: P.GenerateRequest, is_disconnected=None) -> AsyncIterator[dict]:
         """Validates eagerly (errors raise before the first payload), then returns the payloads, each carrying the
         whole output so far, as SGLang's do."""
-        gen = await self._outputs(req, is_disconnected, whole=False)
-
-        async def payloads() -> AsyncIterator[dict]:
-            text, ids, lps = "", [], []
-            try:
-                async for out in gen:
-                    text += out.text
-                    ids = ids + out.token_ids  # a new list each time: a payload handed out must not grow after
-                    lps = lps + (out.logprobs or [])
-                    yield payload(req, text, ids, out, lps)
-            finally:
-                await gen.aclose()
-
-        return payloads()
+        return _payloads(req, await self._outputs(req, is_disconnected, whole=False))
 
     async def generate_many(self, reqs: list[P.GenerateRequest], is_disconnected=None) -> list[dict]:
         """The answers of single requests run at once (a batch), in their order; the first failure raises and the
@@ -142,18 +129,36 @@ class NativeServing:
     async def generate_many_stream(self, reqs: list[P.GenerateRequest], is_disconnected=None) -> AsyncIterator[dict]:
         """Every request's payloads as they come, each with its request's `index`; every request is validated and
         has its first output before the stream starts (errors raise here)."""
-        streams = await gather_all(lambda r: self.generate_stream(r, is_disconnected), reqs, close=True)
+        outputs = await gather_all(lambda r: self._outputs(r, is_disconnected, whole=False), reqs, close=True)
 
         async def payloads() -> AsyncIterator[dict]:
-            async for index, item in interleave(streams):
-                yield {**item, "index": index}
+            try:
+                async for index, item in interleave([_payloads(r, out) for r, out in zip(reqs, outputs)]):
+                    yield {**item, "index": index}
+            finally:
+                for out in outputs:
+                    await out.aclose()
 
         return payloads()
 
 
+async def _payloads(req: P.GenerateRequest, outputs: AsyncIterator[GenerateOutput]) -> AsyncIterator[dict]:
+    """A request's payloads, each with the whole output so far."""
+    text, ids, lps = "", [], []
+    try:
+        async for out in outputs:
+            text += out.text
+            ids = ids + out.token_ids  # a new list each time: a payload handed out must not grow after
+            lps = lps + (out.logprobs or [])
+            yield payload(req, text, ids, out, lps)
+    finally:
+        await outputs.aclose()
+
+
 async def gather_all(one: Callable[[Any], Awaitable[Any]], items: list, close: bool = False) -> list:
     """`one(item)` for every item at once, the results in order; the first failure cancels the others and raises.
-    `close`: the results are async generators, closed if another call fails (their engine requests are aborted)."""
+    `close`: the results are streams (streaming.Prefetched), closed if another call fails (their engine requests are
+    aborted)."""
     tasks = [asyncio.ensure_future(one(item)) for item in items]
     try:
         return list(await asyncio.gather(*tasks))

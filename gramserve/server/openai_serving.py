@@ -269,6 +269,10 @@ class OpenAIServing:
         # vLLM's two template switches are accepted inside chat_template_kwargs too
         add_generation_prompt = kwargs.pop("add_generation_prompt", req.add_generation_prompt)
         continue_final_message = kwargs.pop("continue_final_message", req.continue_final_message)
+        if not isinstance(add_generation_prompt, bool) or not isinstance(continue_final_message, bool):
+            raise InvalidRequestError(
+                "add_generation_prompt and continue_final_message must be booleans", "chat_template_kwargs"
+            )
         input_ids = self.tm.apply_chat_template(messages, add_generation_prompt, continue_final_message, kwargs)
         images: tuple[ImageInput, ...] = ()
         if processor is not None:  # also without images: an image token typed in a text part is refused

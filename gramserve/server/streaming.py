@@ -34,24 +34,35 @@ def error_event(exc: Exception) -> str:
 STREAM_ERRORS_PASSED_ON = (ClientDisconnectedError,)  # nobody to tell: the stream ends without an event
 
 
-async def prefetch_first(gen: AsyncIterator) -> AsyncIterator:
+class Prefetched:
+    """A stream whose first item was taken already; closing it closes the stream even before it is iterated (an
+    async generator that never started skips its `finally`, which would leave the engine request running)."""
+
+    def __init__(self, first: Any, gen: AsyncIterator):
+        self._first, self._gen = first, gen
+
+    def __aiter__(self) -> "Prefetched":
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._first is not None:
+            item, self._first = self._first, None
+            return item
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        self._first = None
+        await self._gen.aclose()
+
+
+async def prefetch_first(gen: AsyncIterator) -> Prefetched:
     """Wait for the first item before the HTTP response starts, so that errors found by the engine
     (e.g. a grammar that does not compile) still become a 400 instead of an error inside a 200 stream."""
     try:
         first = await gen.__anext__()
     except StopAsyncIteration:
         first = None
-
-    async def rest():
-        try:
-            if first is not None:
-                yield first
-            async for item in gen:
-                yield item
-        finally:
-            await gen.aclose()
-
-    return rest()
+    return Prefetched(first, gen)
 
 
 async def sse_stream(items: AsyncIterator[Any]) -> AsyncIterator[str]:

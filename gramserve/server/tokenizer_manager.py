@@ -409,6 +409,7 @@ class TokenizerManager:
         deadline = loop.time() + self.request_timeout if self.request_timeout else None
         text: list[str] = []  # the output so far, for the last check (checked requests only)
         calls = watch_calls() if watch_calls is not None else None
+        started = False  # an output went out (a stream's response has begun)
         try:
             while True:
                 items = await state.take()
@@ -444,9 +445,10 @@ class TokenizerManager:
                 fin = out.finished
                 if fin is not None and fin.status_code is not None:
                     # An error: the HTTP answer (a whole response drops what was written before it, e.g. by a
-                    # grammar that gave up mid-output), or a started stream's last event after its text so far.
+                    # grammar that gave up mid-output; so does a stream that has not begun), or a begun stream's
+                    # last event after its text so far.
                     state.finished = True
-                    if streamed and out.completion_tokens > 0 and out.token_ids:
+                    if streamed and started and out.token_ids:
                         yield replace(out, finished=None)
                     param = "tools" if isinstance(target, ToolPlan) else "response_format" if grammar else None
                     raise _error_of(fin, param)
@@ -460,6 +462,7 @@ class TokenizerManager:
                     if fin is not None and fin.type == "stop" and not isinstance(fin.matched, str):
                         out = await self._last_check(rid, target, "".join(text), out)
                 yield out
+                started = True
                 if out.finished is not None:
                     state.finished = True
                     return

@@ -65,8 +65,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# llguidance's defaults but for the items of one Earley row (2,000): an EBNF alternation of a few thousand words
-# stopped the matcher at its second token. A row of 2,500 costs 0.3-0.7 ms a mask; a step stays bounded by
+# llguidance's default limits, except max_items_in_row (default 2,000: an EBNF alternation of a few thousand words
+# stopped the matcher at its second token). A row of 2,500 items costs 0.3-0.7 ms a mask; a step stays bounded by
 # step_max_items (50,000).
 PARSER_LIMITS = llg.LLParserLimits(max_items_in_row=20_000)
 
