@@ -568,16 +568,7 @@ def test_the_loop_guard_breaks_a_greedy_loop_inside_a_string(client, model_name,
         "required": ["title", "description", "order"],
     }
     before = httpx.get(base_url + "/get_server_info", timeout=30).json()["grammar_timing"]["loop_bans"]
-    out = client.chat.completions.create(
-        model=model_name,
-        messages=[{"role": "user", "content": "Give a JSON instance. sample Github_easy/o11171.json"}],
-        max_tokens=200,
-        temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
-    )
-    content = out.choices[0].message.content
-    assert out.choices[0].finish_reason == "stop", content
-    jsonschema.validate(json.loads(content), schema)
+    content = _greedy_valid(client, model_name, "Give a JSON instance. sample Github_easy/o11171.json", schema, 200)
     assert "easy_" * 9 not in content
     after = httpx.get(base_url + "/get_server_info", timeout=30).json()["grammar_timing"]["loop_bans"]
     assert after > before
@@ -594,16 +585,22 @@ def test_unique_arrays_of_closed_sets_end_without_copies(client, model_name):
     ]
     for properties, question in cases:
         schema = {"type": "object", "properties": properties, "required": list(properties)}
-        out = client.chat.completions.create(
-            model=model_name,
-            messages=[{"role": "user", "content": question + " Answer in JSON."}],
-            max_tokens=100,
-            temperature=0,
-            response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
-        )
-        content = out.choices[0].message.content
-        assert out.choices[0].finish_reason == "stop", content
-        jsonschema.validate(json.loads(content), schema)
+        _greedy_valid(client, model_name, question + " Answer in JSON.", schema, 100)
+
+
+def _greedy_valid(client, model_name: str, question: str, schema: dict, max_tokens: int) -> str:
+    """A greedy answer under the schema, which must end on its own and validate; its text."""
+    out = client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": question}],
+        max_tokens=max_tokens,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+    )
+    content = out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop", content
+    jsonschema.validate(json.loads(content), schema)
+    return content
 
 
 def test_thousands_of_choices_and_a_grammar_its_backend_gives_up_on_mid_output(client, model_name, base_url):
