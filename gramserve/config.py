@@ -96,7 +96,7 @@ class ServerArgs:
     # auto: on for CUDA (the CPU work of step N+1 runs while the GPU computes step N), off on CPU, where the
     # forward is synchronous and overlapping only costs one wasted token per finishing request.
     overlap_schedule: str = "auto"  # auto | on | off
-    mixed_decode: str = "auto"  # auto | on | off: running requests decode inside prefill steps (not under overlap)
+    mixed_decode: str = "auto"  # auto | on | off: running requests decode inside prefill steps
     max_running_requests: int | None = None
     max_prefill_tokens: int = 8192  # tokens in one prefill step
     chunked_prefill_size: int | None = None  # long prompts are prefilled in chunks of this many tokens (0: off)
@@ -318,7 +318,7 @@ class ServerArgs:
             default=defaults.mixed_decode,
             choices=["auto", "on", "off"],
             help="running requests decode their next token inside a prefill step instead of waiting for it "
-            "(auto: on for a CPU; needs the overlap schedule off, where every input token is on the host)",
+            "(auto: on for a CPU)",
         )
         parser.add_argument(
             "--disable-overlap-schedule",

@@ -196,7 +196,8 @@ def test_http_queue_limit_is_503(tight_server):
 
 def test_mixed_decode_gives_the_same_tokens(tokenizer):
     """Running requests that decode inside prefill steps (--mixed-decode, the CPU default) get the same greedy
-    tokens as with separate decode steps, whatever the chunking and memory pressure, and the pool ends whole."""
+    tokens as with separate decode steps, whatever the chunking and memory pressure, in the plain loop and under the
+    overlap schedule (where a rider's input token is still on the device), and the pool ends whole."""
     prompts = _workload()
     # Small chunks: the first prompts decode while later ones are still being prefilled.
     for kw in (
@@ -207,10 +208,11 @@ def test_mixed_decode_gives_the_same_tokens(tokenizer):
     ):  # fmt: skip
         kw = {"kv_cache_memory_gb": 0.3, **kw}
         separate, _ = _run(tokenizer, prompts, mixed_decode="off", **kw)
-        mixed, info = _run(tokenizer, prompts, mixed_decode="on", **kw)
-        assert mixed == separate, kw
-        assert info["stats"]["mixed_decode_rows"] > 0, info["stats"]
-        _assert_whole(info)
+        for overlap in ("off", "on"):
+            mixed, info = _run(tokenizer, prompts, mixed_decode="on", overlap_schedule=overlap, **kw)
+            assert mixed == separate, (kw, overlap)
+            assert info["stats"]["mixed_decode_rows"] > 0, info["stats"]
+            _assert_whole(info)
 
 
 @pytest.mark.parametrize("overlap", ["off", "on"])

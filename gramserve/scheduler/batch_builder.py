@@ -45,9 +45,12 @@ class BatchBuilder:
         self.last_tokens = last_tokens
         self._last_decode: _DecodeRows | None = None
 
-    def prefill(self, picked: list[tuple[Req, int]]) -> ForwardBatch:
-        """Extend each picked request by its number of new tokens (its next prompt chunk, or its whole rest)."""
-        slots = self.kv.alloc(sum(n for _, n in picked))
+    def prefill(self, picked: list[tuple[Req, int]], riders: list[Req] = ()) -> ForwardBatch:
+        """Extend each picked request by its number of new tokens (its next prompt chunk, or its whole rest), and
+        each running request of `riders` by one token (mixed decode), after them. A rider's input is the token it
+        sampled last, read from `last_tokens` on the device: under overlap it has not reached the host yet."""
+        prompt_tokens = sum(n for _, n in picked)
+        slots = self.kv.alloc(prompt_tokens + len(riders))
         embeds = self.images.embeds(picked) if self.images is not None else None  # before kv_len moves on
         ids, positions, rows, prefix_lens, new_lens = [], [], [], [], []
         offset = 0
@@ -61,6 +64,19 @@ class BatchBuilder:
             prefix_lens.append(start)
             new_lens.append(n)
             req.kv_len += n
+        if riders:
+            rider_positions = [r.kv_len for r in riders]
+            rider_rows = self.to_device([r.req_pool_idx for r in riders])
+            # One scatter for the riders (a write per request costs a kernel launch each on a GPU).
+            table = self.req_pool.table
+            table[rider_rows, self.to_device(rider_positions)] = slots[prompt_tokens:].to(table.dtype)
+            for req in riders:
+                req.kv_len += 1
+            ids = torch.cat([self.to_device(ids), self.last_tokens[rider_rows]])
+            positions.append(torch.tensor(rider_positions, dtype=torch.long))
+            rows += [r.req_pool_idx for r in riders]
+            prefix_lens += rider_positions
+            new_lens += [1] * len(riders)
         batch = self._make_batch(
             ForwardMode.EXTEND,
             ids,

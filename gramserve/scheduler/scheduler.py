@@ -149,8 +149,8 @@ class Scheduler:
         self.finished_early: list[Req] = []  # rejected before running; reported by the next step
         self._prefills_in_a_row = 0  # prefill steps since the last decode step
         self.max_consecutive_prefills = settings.max_consecutive_prefills  # while requests decode; 0: no limit
-        # Running requests decode inside prefill steps (plain schedule: their last tokens are on the host). Not with
-        # LoRA or images, whose prefill batches carry per-request extras that decode rows do not have.
+        # Running requests decode inside prefill steps. Not with LoRA or images, whose prefill batches carry
+        # per-request extras that decode rows do not have.
         self.mixed_decode = settings.mixed_decode and self.lora is None and encoder is None
         self.phases = StepPhases()
 
@@ -287,7 +287,7 @@ class Scheduler:
             riders = self._riders(picked)
             # Decode rows that ride along are not stalled: the step does not count against the prefill limit.
             self._prefills_in_a_row = 0 if riders else self._prefills_in_a_row + 1
-            batch = self.batches.prefill(picked + [(r, 1) for r in riders])
+            batch = self.batches.prefill(picked, riders)
             # Only requests whose whole prompt is now in the cache sample a token; riders' rows come last.
             prompted = [r for r, _ in picked]
             completed = [r for r in prompted if r.kv_len == len(r.fill_ids)]

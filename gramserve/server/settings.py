@@ -94,9 +94,8 @@ def resolve_settings(args: ServerArgs) -> Settings:
     # auto: on for CUDA (the CPU work of step N+1 runs while the GPU computes step N), off on CPU, where the
     # forward is synchronous and overlapping only costs one wasted token per finishing request.
     overlap = device == "cuda" if args.overlap_schedule == "auto" else args.overlap_schedule == "on"
-    # auto: on for a CPU, where a prefill step's GEMMs take the running rows almost for free; never under overlap,
-    # which builds a step before the previous step's tokens reach the host.
-    mixed = not overlap and (device == "cpu" if args.mixed_decode == "auto" else args.mixed_decode == "on")
+    # auto: on for a CPU, where a prefill step's GEMMs take the running rows almost for free.
+    mixed = device == "cpu" if args.mixed_decode == "auto" else args.mixed_decode == "on"
     graphs = 0 if device != "cuda" or args.disable_cuda_graph else given_or_default("cuda_graph_max_bs")
     model_processes = args.tp_size // args.nnodes * args.dp_size  # on this host
     return Settings(

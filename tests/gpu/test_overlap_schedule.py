@@ -1,11 +1,13 @@
-"""The scheduler on a GPU: the overlap schedule gives the same greedy tokens as the plain loop, and a steady
-decode step launches its work without any hidden device-to-host synchronization."""
+"""The scheduler on a GPU: the overlap schedule gives the same greedy tokens as the plain loop (with and without
+running requests decoding inside prefill steps), and a steady decode step launches its work without any hidden
+device-to-host synchronization."""
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoTokenizer
 
@@ -28,7 +30,7 @@ def _tokenizer_dir() -> str:
     return default_tokenizer_dir()
 
 
-def _scheduler(config_dir, overlap: str) -> Scheduler:
+def _scheduler(config_dir, overlap: str, mixed: str = "off") -> Scheduler:
     path = write_config(config_dir, "smollm-overlap", SMOLLM_135M)
     tok = _tokenizer_dir()
     args = ServerArgs(
@@ -39,6 +41,7 @@ def _scheduler(config_dir, overlap: str) -> Scheduler:
         kv_cache_memory_gb=1.0,
         max_running_requests=64,
         overlap_schedule=overlap,
+        mixed_decode=mixed,
         dtype="float32",
         cuda_graph_max_bs=64,
     )
@@ -46,7 +49,10 @@ def _scheduler(config_dir, overlap: str) -> Scheduler:
 
 
 def _run(sched: Scheduler, n: int = 40) -> dict[str, list[int]]:
+    """n requests of random prompts and lengths, arriving in four waves (later prompts prefill while earlier
+    requests decode)."""
     rng = random.Random(0)
+    outs: dict[str, list[int]] = {}
     for i in range(n):
         prompt = [rng.randrange(100, 49152) for _ in range(rng.randint(3, 200))]
         sched.add_request(
@@ -54,7 +60,11 @@ def _run(sched: Scheduler, n: int = 40) -> dict[str, list[int]]:
                 f"r{i}", prompt, SamplingParams(max_new_tokens=rng.randint(1, 48), temperature=0, ignore_eos=i % 2 == 0)
             )
         )
-    outs: dict[str, list[int]] = {}
+        if i % 10 == 9:
+            for _ in range(3):
+                out = sched.step()
+                for rid, ids in zip(out.rids, out.new_token_ids) if out else ():
+                    outs.setdefault(rid, []).extend(ids)
     while sched.has_work:
         out = sched.step()
         for rid, ids in zip(out.rids, out.new_token_ids) if out else ():
@@ -62,11 +72,13 @@ def _run(sched: Scheduler, n: int = 40) -> dict[str, list[int]]:
     return outs
 
 
-def test_overlap_matches_plain_and_never_syncs_while_launching(config_dir):
-    plain = _run(_scheduler(config_dir, "off"))
-    sched = _scheduler(config_dir, "on")
-    assert sched.overlap
+@pytest.mark.parametrize("mixed", ["off", "on"])
+def test_overlap_matches_plain_and_never_syncs_while_launching(config_dir, mixed):
+    plain = _run(_scheduler(config_dir, "off", mixed))
+    sched = _scheduler(config_dir, "on", mixed)
+    assert sched.overlap and sched.mixed_decode == (mixed == "on")
     assert _run(sched) == plain
+    assert (sched.stats["mixed_decode_rows"] > 0) == (mixed == "on")
     assert sched.allocator.num_free + sched.cache.evictable_size == sched.allocator.size
 
     # Steady decode: launching step N+1's forward must not wait for step N (no implicit syncs).
