@@ -282,9 +282,13 @@ async def measure(
     constrained, free, c_wall, f_wall, free_bodies = [], [], 0.0, 0.0, None
     before = after = None
     c_phases: list[dict] = []
+    c_by_repeat: list[float] = []  # mean TPOT ms of each repeat, in order (a cold first run shows itself)
+    f_by_repeat: list[float] = []
     f_phases: list[dict] = []
     for rep in range(args.repeats):
         for kind in ("c", "f") if rep % 2 == 0 else ("f", "c"):
+            which = "constrained" if kind == "c" else "free"
+            print(f"[{label} c={concurrency}] {which} run {rep + 1}", file=sys.stderr, flush=True)
             if kind == "c":
                 b0 = await server_info(http, args.base_url)
                 res, wall = await run_batch(http, url, bodies, concurrency, args.timeout)
@@ -292,6 +296,7 @@ async def measure(
                 c_phases.append(phases_per_step(b0, a0))
                 before, after = before or b0, a0
                 constrained += res
+                c_by_repeat.append(round((mean([r.tpot for r in res]) or 0) * 1e3, 2))
                 c_wall += wall
                 if free_bodies is None:
                     free_bodies = [
@@ -309,6 +314,7 @@ async def measure(
                 res, wall = await run_batch(http, url, free_bodies, concurrency, args.timeout)
                 f_phases.append(phases_per_step(b0, await server_info(http, args.base_url)))
                 free += res
+                f_by_repeat.append(round((mean([r.tpot for r in res]) or 0) * 1e3, 2))
                 f_wall += wall
     invalid, errors = [], [r.error for r in constrained if not r.ok] + [r.error for r in free if not r.ok]
     cut = checked_out = 0
@@ -333,6 +339,8 @@ async def measure(
         "repeats": args.repeats,
         "constrained_tpot_ms": (mean([r.tpot for r in constrained]) or 0) * 1e3,
         "free_tpot_ms": (mean([r.tpot for r in free]) or 0) * 1e3,
+        "constrained_tpot_ms_by_repeat": c_by_repeat,
+        "free_tpot_ms_by_repeat": f_by_repeat,
         "constrained_ttft_ms": (mean([r.ttft if r.ok else None for r in constrained]) or 0) * 1e3,
         "free_ttft_ms": (mean([r.ttft if r.ok else None for r in free]) or 0) * 1e3,
         "constrained_tok_s": c_tokens / c_wall,

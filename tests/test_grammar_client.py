@@ -51,9 +51,8 @@ def _answer(reply: zmq.Socket, step: int, shard: int) -> None:
 def _start(client, shards, reply) -> None:
     """Requests "a" on shard 0 and "b" on shard 1; "a" runs one step, then its next mask comes through the feed
     (fed step 2, not answered yet); then "a" stops."""
-    grammar = GrammarRequest("json_object", "")
-    client.compile("a", grammar)
-    client.compile("b", grammar)
+    client.compile("a", GrammarRequest("json_object", ""))
+    client.compile("b", GrammarRequest("regex", "b+"))  # another grammar: the other shard (the lighter one)
     assert isinstance(_recv(shards[0]), GrammarCompileReq) and isinstance(_recv(shards[1]), GrammarCompileReq)
     pairs, step = client.masks_for([0], ["a"])
     assert pairs == [(0, 0)] and step == 1
@@ -95,3 +94,17 @@ def test_nothing_waits_once_the_fed_fill_is_answered(rig):
     pairs, step = client.masks_for([0], ["b"])
     assert pairs == [(0, 0)] and _recv(shards[1]).fill == [("b", 0)]
     assert client.timing["stale_slot_waits"] == 0
+
+
+def test_a_request_goes_where_its_grammar_was_compiled_unless_that_shard_is_busier(rig):
+    """Placement (GrammarClient._pick_shard): the lightest shard, unless a shard that had the request's grammar
+    lately holds at most AFFINITY_SLACK (2) requests more: no compile, and the request may run before the answer."""
+    client, _, _ = rig
+    g1, g2, g3 = (GrammarRequest("regex", r) for r in ("a+", "b+", "c+"))
+    placed = {}
+    for rid, g in (("a", g1), ("b", g2), ("c", g1), ("d", g2), ("e", g3), ("f", g1), ("g", g1), ("h", g1)):
+        client.compile(rid, g)
+        placed[rid] = client._shard_of[rid]
+    # a: 0; b: 1 (lighter); c, d: their grammars' shards at equal load; e: new, the lighter; then shard 0 holds
+    # 3, 4 against 2: f and g stay with g1's shard; at 5 against 2, h goes to the lighter one.
+    assert placed == {"a": 0, "b": 1, "c": 0, "d": 1, "e": 0, "f": 0, "g": 0, "h": 1}

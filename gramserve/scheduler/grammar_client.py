@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 STEP_TIMEOUT_MS = 60_000
 BUSY_POLL_MS = 20.0  # with busy_poll: how long either side polls without sleeping before it blocks
+# A request goes to a shard that had its grammar lately while that shard holds at most this many live requests more
+# than the lightest: a compile (1-10 ms, once) costs less than rows that make one shard's fill the step's slowest
+# for as long as they run.
+AFFINITY_SLACK = 2
 RECENT_GRAMMARS = 512  # per shard: grammars remembered as compiled there (its compile cache holds as many)
 
 
@@ -185,9 +189,17 @@ class GrammarClient:
         return early
 
     def _pick_shard(self, key: int) -> int:
-        """The shard with the fewest live requests; among those, one that compiled this grammar lately (its
-        compile cache likely has it)."""
-        shard = min(range(self.shards), key=lambda i: (self._load[i], key not in self._recent[i], i))
+        """A shard that had this grammar lately (its compile cache likely holds it: no compile, and the request may
+        run before the answer) unless it holds more than AFFINITY_SLACK more live requests than the lightest shard;
+        else the lightest (among equals, one that had it). Once every shard had it, the lightest."""
+        load = self._load
+        lightest = min(range(self.shards), key=lambda i: (load[i], key not in self._recent[i], i))
+        had = [i for i in range(self.shards) if key in self._recent[i]]
+        shard = lightest
+        if had and lightest not in had:
+            best = min(had, key=lambda i: load[i])
+            if load[best] <= load[lightest] + AFFINITY_SLACK:
+                shard = best
         _remember(self._recent[shard], key)
         return shard
 

@@ -207,21 +207,26 @@ class OutputChecker:
 
 @functools.lru_cache(maxsize=VALIDATOR_CACHE)  # thread-safe; one validator per distinct schema text
 def _validator(schema_text: str):
-    """A validator for the schema (its `$schema`'s draft, formats, timed patterns), or None if it cannot be read."""
+    """A validator for the schema (its `$schema`'s draft, formats, timed patterns), or None if it cannot be read.
+
+    The schema is not checked against its metaschema here: every schema that reaches a check was, when its grammar
+    compiled (grammar/schema_checks.py), and that check (1 ms for a typical corpus schema) ran again here, in the
+    main process, while the output's last chunk waited for it."""
     try:
-        # Integral counts as ints (a "maxLength": 2.0 would fail the metaschema's integer check as a Decimal).
+        # Integral counts as ints: "maxLength": 2.0 read as a Decimal would not be a count.
         schema = integral_counts(json.loads(schema_text, parse_float=_decimal_or_int))
-        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-        # Against the metaschema without its formats: its "regex" format is checked with `re` (see above).
-        error = jsonschema.exceptions.best_match(cls(cls.META_SCHEMA).iter_errors(schema))
-        if error is not None:
-            raise error
-        # 5.0 is an integer in JSON Schema; outputs are read as Decimals, which the default checker calls numbers only.
-        types = cls.TYPE_CHECKER.redefine("integer", _is_integer)
-        cls = jsonschema.validators.extend(cls, REGEX_KEYWORDS, type_checker=types)
+        cls = _checking_class(jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator))
         return cls(schema, format_checker=cls.FORMAT_CHECKER)
     except Exception:  # noqa: BLE001 - the backends accepted it; the validator does not: leave it unchecked
         return None
+
+
+@functools.lru_cache(maxsize=None)  # one per draft: making the class costs 0.4 ms
+def _checking_class(draft):
+    """The draft's validator class with timed `regex` patterns and Decimal integers (5.0 is an integer in JSON
+    Schema; outputs are read as Decimals, which the default type checker calls numbers only)."""
+    types = draft.TYPE_CHECKER.redefine("integer", _is_integer)
+    return jsonschema.validators.extend(draft, REGEX_KEYWORDS, type_checker=types)
 
 
 def output_number(text: str) -> Decimal:
