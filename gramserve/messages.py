@@ -102,6 +102,7 @@ class GrammarStepResp:
     shard: int = 0  # the grammar worker that answered (answers of one shard come in step order)
     loop_bans: int = 0  # rows whose mask the loop guard narrowed this step (grammar/loop_guard.py)
     shared_fills: int = 0  # rows that copied the mask of a row in the same matcher state (grammar/shared_fills.py)
+    empty: list[str] = field(default_factory=list)  # requests whose grammar allows no first token (accepts nothing)
 
 
 @dataclass

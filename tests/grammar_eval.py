@@ -36,7 +36,7 @@ import jsonschema
 
 from gramserve.grammar.backends import GrammarBackend, GrammarCompileError, GrammarSpec, create_backend
 from gramserve.sampling.bitmask import allocate_bitmask
-from gramserve.server.output_check import REGEX_KEYWORDS, PatternTimeout, output_number
+from gramserve.server.output_check import CHECK_KEYWORDS, PatternTimeout, output_number
 
 
 def category(path: Path) -> str:
@@ -417,7 +417,7 @@ def instance_error(schema: Any, text: str) -> str | None:
         schema = json.loads(json.dumps(schema), parse_float=Decimal)
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         # ECMA-262 patterns (\p{L}) through the `regex` module, as the server's check does: `re` cannot read them.
-        cls = jsonschema.validators.extend(cls, REGEX_KEYWORDS)
+        cls = jsonschema.validators.extend(cls, CHECK_KEYWORDS)
         error = next(iter(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(instance)), None)
     except PatternTimeout:
         return None  # a pattern that backtracks past its time limit: not checkable here

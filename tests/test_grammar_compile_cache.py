@@ -1,4 +1,5 @@
-"""One compile per grammar: compile flights, `auto`'s measured backend choice, and the disk cache.
+"""One compile per grammar: compile flights, `auto`'s measured backend choice, and the disk cache; a grammar that
+allows nothing is named at its first fill.
 
 GrammarService with the real backends and the default tokenizer; no model. The speed-suite schemas
 (benchmarks/speed_suite) are the real-world inputs: the extraction record's bounded strings are where
@@ -429,3 +430,17 @@ def test_a_matcher_that_hits_a_backend_limit_is_reported_failed(tokenizer):
         assert reply.rejected == [] and "too many expressions" in reply.failed["b"], reply
     finally:
         svc.close()
+
+
+@pytest.mark.parametrize(
+    "backend, kind, text", [("xgrammar", "ebnf", 'root ::= root "a"'), ("llguidance", "regex", r"[^\s\S]")]
+)
+def test_a_grammar_that_allows_nothing_is_named_at_its_first_fill(tokenizer, backend, kind, text):
+    """A grammar whose language is empty: xgrammar fills a mask with no token allowed (the sampler then drew token 0,
+    which the matcher refused: a 500 for a new user), llguidance stops with NoExtensionBias (a 400 that called the
+    grammar "too complex"). Both are reported as `empty`: the request ends with a 400 that says so."""
+    svc = make_service(tokenizer)
+    assert svc.submit(GrammarCompileReq("r", GrammarRequest(kind, text, backend))) is None
+    assert collect(svc, {"r"})["r"].backend == backend
+    resp = svc.step(GrammarStepReq(1, [], [("r", 0)], []))
+    assert resp.empty == ["r"] and not resp.failed and not resp.rejected

@@ -181,3 +181,24 @@ def test_a_check_that_fails_leaves_the_output_unchecked_not_the_request_failed()
     c.check_now = broken
     assert asyncio.run(c.check(grammar(SCHEMA), '{"name": "Ada"}')) == CheckResult(False, None)
     assert c.stats["unchecked"] == 1
+
+
+def test_multiples_of_long_numbers_are_checked_exactly():
+    """jsonschema's multipleOf divides Decimals at 28 digits and raised DivisionImpossible on a 32-digit number (a
+    new user's finding: the whole check gave up, so a relaxed schema's failing `pattern` went out as "stop")."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "q": {"type": "number", "multipleOf": 0.25},
+            "postal": {"type": "string", "pattern": "^[0-9]{5}$"},
+        },
+    }
+    c = OutputChecker()
+    bad = c.check_now(grammar(schema), '{"q": 10000000000000002552243944572769, "postal": "USA"}')
+    assert bad.checked and "/postal" in bad.error
+    assert c.check_now(grammar(schema), '{"q": 10000000000000002552243944572769.75, "postal": "12345"}').error is None
+    wrong = c.check_now(grammar(schema), '{"q": 10000000000000002552243944572769.1, "postal": "12345"}')
+    assert wrong.checked and "multiple" in wrong.error
+    assert c.check_now(grammar(schema), '{"q": 1e99999999999999999999, "postal": "12345"}').error is None
+    assert "multiple" in c.check_now(grammar(schema), '{"q": 1e-99999999999999999999}').error
+    assert c.stats["unchecked"] == 0

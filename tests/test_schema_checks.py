@@ -30,6 +30,14 @@ CORPUS = Path(__file__).parents[1] / ".." / "shared" / "corpora" / "jsonschemabe
         ({"type": "object", "patternProperties": {"[": {}}}, "pattern that does not compile"),
         ({"prefixItems": [{"type": "integer", "minimum": 1e30}]}, "at /prefixItems/0 asks for an integer"),
         ({"type": "integer", "exclusiveMaximum": -(2**63)}, "beyond 64-bit integers"),
+        # No value satisfies these (a new user's finding: the first was served, each try ended invalid_output; the
+        # cycle got a 400 from llguidance, then, once auto had switched it to xgrammar, a 500 on every request).
+        ({"type": "string", "enum": [1, 2]}, "no enum values of its type 'string'"),
+        ({"type": "integer", "const": "a"}, "no const value of its type 'integer'"),
+        ({"$ref": "#"}, "only refers to itself"),
+        ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "refers to itself"),
+        ({"properties": {"x": {"$ref": "#/properties/x"}}, "required": ["x"]}, "at /properties/x only refers"),
+        ({"type": "array", "items": {"type": "null", "const": 0}, "minItems": 1}, "at /items has no const"),
     ],
 )
 def test_schemas_no_backend_can_serve_are_named(schema, fragment):
@@ -46,6 +54,13 @@ def test_schemas_no_backend_can_serve_are_named(schema, fragment):
         {"type": "string", "pattern": "^[\\u0020-\\uD7FF\\uE000-\\uFFFD\\uD800\\uDC00-\\uDBFF\\uDFFF\\t]*$"},
         {"type": ["integer", "number"], "minimum": 1e30},  # a number may be that large
         {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
+        {"type": "integer", "enum": [1.0, "a"]},  # 1.0 is an integer
+        {"type": ["string", "null"], "enum": [None]},
+        {"type": "object", "properties": {"child": {"$ref": "#"}}},  # recursion with a way out
+        {"type": "object", "properties": {"builtin": {"type": "object", "enum": ["A"]}}},  # optional: never written
+        {"type": "array", "items": {"$ref": "#/items"}},  # may be empty
+        {"$defs": {"n": {"type": "object", "properties": {"k": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"},
+        {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"type": "string"}}},  # a chain, no cycle
     ],
 )
 def test_schemas_backends_serve_pass(schema):

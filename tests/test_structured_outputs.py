@@ -206,6 +206,10 @@ def _schema_body(schema: dict) -> dict:
         (_schema_body({"type": "object", "required": "a"}), "invalid at /required"),
         (_schema_body({"type": "number", "multipleOf": -3}), "invalid at /multipleOf"),
         (_schema_body({"type": "integer", "minimum": 10**30, "maximum": 10**31}), "64-bit"),
+        (_schema_body({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}), "itself"),
+        (_schema_body({"type": "string", "enum": [1, 2]}), "no value satisfies"),
+        ({"ebnf": 'root ::= root "a"', "grammar_backend": "xgrammar"}, "allows no output"),  # was a 500
+        ({"regex": r"[^\s\S]"}, "allows no output"),
     ],
 )
 def test_bad_constraints_are_400(base_url, model_name, body, fragment):

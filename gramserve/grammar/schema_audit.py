@@ -48,6 +48,24 @@ OUTLINES_UNENFORCED = {
     "minProperties",
     "maxProperties",
 }
+# The string formats xgrammar 0.2.8 enforces; any other (iri, idn-email, idn-hostname, iri-reference, regex, an
+# unknown name) it compiles as any string (probed 2026-11-28: each format against a string with spaces and braces).
+XGRAMMAR_FORMATS = {
+    "date-time",
+    "date",
+    "time",
+    "duration",
+    "email",
+    "hostname",
+    "ipv4",
+    "ipv6",
+    "uri",
+    "uri-reference",
+    "uri-template",
+    "uuid",
+    "json-pointer",
+    "relative-json-pointer",
+}
 _NUMERIC_BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
 _LENGTH_BOUNDS = {"minLength", "maxLength"}
 
@@ -174,6 +192,8 @@ def unenforced(backend: str, schema_text: str) -> list[str]:
         if backend != "xgrammar":
             continue  # llguidance rejects at compile time what it cannot enforce
         found |= XGRAMMAR_UNENFORCED & node.keys()
+        if isinstance(node.get("format"), str) and node["format"] not in XGRAMMAR_FORMATS:
+            found.add(f"format {node['format'][:40]!r}")
         if node.get("uniqueItems") is True:
             found.add("uniqueItems")
         if _enum_type_conflict(node):

@@ -6,7 +6,9 @@ that goes through and outputs that cannot validate (or cannot be checked).
   `"type": []`). Formats are left out: the metaschema's "regex" format is Python's `re`, which refuses ECMA-262
   classes such as `\\p{L}` that real schemas use (290 of the held-out CloudFormation schemas); patterns are compiled
   below instead. A repeated enum value or required name is let through: it is harmless.
-- `enum: []`: no value is valid (the metaschema allows it).
+- Nodes no value satisfies that the metaschema allows: `enum: []`, an enum or const with no value of the node's
+  `type`, a `$ref` whose chain of references (each a `$ref` alone) comes back to itself (`{"$ref": "#"}`): a backend
+  compiles those into a grammar that stops at its first token or allows nothing but the end.
 - Patterns (`pattern`, `patternProperties` names) that do not compile with the `regex` module, which the output
   check matches patterns with (UTF-16 surrogate pairs written as escapes read as the one character they make).
 - Integer ranges that lie wholly past 64 bits: the backends clamp integer bounds to 64 bits and would write a
@@ -62,7 +64,46 @@ def schema_problem(schema_text: str) -> str | None:
                 return f"the JSON schema at {_pointer(path)} has a pattern that does not compile ({exc}): {pattern!r}"
         if _integer_range_past_64_bits(node):
             return f"the JSON schema at {_pointer(path)} asks for an integer range beyond 64-bit integers"
+    for node, path in _necessary_nodes(schema):
+        if _no_value_of_its_type(node):
+            which = "enum values" if "enum" in node else "const value"
+            where = _pointer(path)
+            return f"the JSON schema at {where} has no {which} of its type {node['type']!r}: no value satisfies it"
+        if _refers_only_to_itself(schema, node):
+            return (
+                f"the JSON schema at {_pointer(path)} only refers to itself ($ref {node['$ref'][:80]!r}, in a cycle of "
+                "references with nothing else): no value satisfies it"
+            )
     return None
+
+
+def _necessary_nodes(schema: dict):
+    """The schema nodes every valid value must satisfy: the root, and from a necessary node its `$ref`'s target,
+    its `allOf` members, its required properties, and the items an array must have (`minItems`). A node no value
+    satisfies elsewhere (an optional property, an anyOf branch) leaves the schema satisfiable (real schemas have
+    such properties: the value just never has them)."""
+    seen: set[int] = set()
+    stack = [(schema, ())]
+    while stack:
+        node, path = stack.pop()
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node, path
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            stack.append((_local_target(schema, ref), _ref_path(ref)))
+        if isinstance(node.get("allOf"), list):
+            stack.extend((sub, (*path, "allOf", i)) for i, sub in enumerate(node["allOf"]))
+        props, required = node.get("properties"), node.get("required")
+        if isinstance(props, dict) and isinstance(required, list):
+            stack.extend((props[k], (*path, "properties", k)) for k in required if isinstance(k, str) and k in props)
+        min_items = node.get("minItems")
+        if isinstance(min_items, int) and not isinstance(min_items, bool) and min_items > 0:
+            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+            stack.extend((sub, (*path, "prefixItems", i)) for i, sub in enumerate(prefix[:min_items]))
+            if min_items > len(prefix) and isinstance(node.get("items"), dict):
+                stack.append((node["items"], (*path, "items")))
 
 
 # ECMA-262 patterns may write a character past U+FFFF as its UTF-16 pair (`\uD800\uDC00`), which the `regex`
@@ -89,6 +130,72 @@ def _integer_range_past_64_bits(node: dict) -> bool:
     low_past = bound("minimum", -inf) > INT64_MAX or bound("exclusiveMinimum", -inf) >= INT64_MAX
     high_past = bound("maximum", inf) < INT64_MIN or bound("exclusiveMaximum", inf) <= INT64_MIN
     return low_past or high_past
+
+
+_TYPE_OF = {
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: not isinstance(v, bool) and (isinstance(v, int) or (isinstance(v, float) and v.is_integer())),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+    "null": lambda v: v is None,
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+}
+
+
+def _no_value_of_its_type(node: dict) -> bool:
+    """An enum or const none of whose values has the node's type (`{"type": "string", "enum": [1, 2]}`)."""
+    types = node.get("type")
+    types = [types] if isinstance(types, str) else types
+    if not isinstance(types, list) or not types or not all(t in _TYPE_OF for t in types):
+        return False
+    if "enum" in node and isinstance(node["enum"], list):
+        values = node["enum"]
+    elif "const" in node:
+        values = [node["const"]]
+    else:
+        return False
+    return bool(values) and not any(_TYPE_OF[t](v) for v in values for t in types)
+
+
+# Keywords that say nothing about the value: a node with only these beside `$ref` is its reference's schema.
+_ANNOTATIONS = {"$ref", "$comment", "$id", "$schema", "$anchor", "title", "description", "default", "examples",
+                "$defs", "definitions", "deprecated", "readOnly", "writeOnly"}  # fmt: skip
+
+
+def _refers_only_to_itself(root: dict, node: dict) -> bool:
+    """The node is a `$ref` alone whose chain of local references, each a `$ref` alone, comes back to itself
+    (`{"$ref": "#"}` at the root, or a -> b -> a): a schema with no value, on which a backend either stops or
+    writes nothing it can end."""
+    seen: set[int] = set()
+    while isinstance(node, dict) and isinstance(node.get("$ref"), str) and node.keys() <= _ANNOTATIONS:
+        if id(node) in seen:
+            return True
+        seen.add(id(node))
+        node = _local_target(root, node["$ref"])
+    return False
+
+
+def _ref_path(ref: str) -> tuple[str, ...]:
+    """The keys of a local `$ref` ("#/a/b": ("a", "b"); "#": ())."""
+    if not ref.startswith("#/"):
+        return ()
+    return tuple(part.replace("~1", "/").replace("~0", "~") for part in ref[2:].split("/"))
+
+
+def _local_target(root: dict, ref: str):
+    """The schema a local `$ref` ("#" or "#/a/b") points at, or None."""
+    if ref != "#" and not ref.startswith("#/"):
+        return None
+    node = root
+    for part in _ref_path(ref):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 def _pointer(path) -> str:

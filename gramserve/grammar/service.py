@@ -62,6 +62,7 @@ AUTO_ORDER = ("llguidance", "xgrammar", "outlines")
 # `auto`'s last resort for a JSON schema no backend enforces exactly: llguidance over the closest schema it can
 # enforce (schema_relax.py); the server checks such outputs and resamples failing ones.
 RELAXED = ":relaxed"
+NO_EXTENSION = "NoExtensionBias"  # llguidance's error where no token can extend the output
 AUTO_RELAXED = "llguidance" + RELAXED
 RELAXABLE_KINDS = ("json_schema", "structural_tag")  # a structural tag relaxes the JSON schemas inside it
 # `auto`: a backend whose masks cost more than this (us per row, measured) makes the next backend worth a try.
@@ -160,6 +161,7 @@ class GrammarService:
         self.chosen = LRU(cache_size)  # auto: (kind, text) -> the backend it picked
         self.failures = LRU(cache_size)
         self.matchers: dict[str, Matcher] = {}
+        self._unfilled: set[str] = set()  # requests whose matcher has not filled a mask yet
         self.loop_guards: dict[str, LoopGuard] = {}  # rid -> its guard (options.loop_guard, JSON kinds)
         # Rows in one matcher state fill once a step (shared_fills.py); None: every row fills.
         self.state_keys = StateKeys() if share_fills else None
@@ -345,6 +347,7 @@ class GrammarService:
     ) -> GrammarCompileResp:
         try:
             self.matchers[rid] = self.backend(backend).matcher(compiled)
+            self._unfilled.add(rid)
             if self.state_keys is not None:
                 self.state_keys.start(rid, (backend, grammar.kind, grammar.text))
             if self.options.loop_guard and grammar.kind in LOOP_GUARDED_KINDS:
@@ -504,6 +507,7 @@ class GrammarService:
         if f is not None and rid in f.rids:
             f.rids.remove(rid)
         self.matchers.pop(rid, None)
+        self._unfilled.discard(rid)
         self.loop_guards.pop(rid, None)
         if self.state_keys is not None:
             self.state_keys.forget(rid)
@@ -564,8 +568,20 @@ class GrammarService:
                     guard.banned()  # its bookkeeping (bans it remembers, items being copied) as the filled row's
             loop_bans += self._fill(again)
         failed.update((rid, why) for rid, (m, _) in zip(rids, rows) if (why := m.error()))
+        empty = []
+        if self._unfilled:  # a grammar that allows no first token accepts nothing: a 400, not a token it refuses
+            for rid, (_, row) in zip(rids, rows):
+                if rid in self._unfilled:
+                    self._unfilled.discard(rid)
+                    # llguidance stops with "NoExtensionBias" where no token can extend the empty output
+                    stopped = NO_EXTENSION in failed.get(rid, "")
+                    if stopped or (rid not in failed and not self.bitmask[row].any()):
+                        failed.pop(rid, None)
+                        empty.append(rid)
         ms = (time.perf_counter() - t0) * 1e3
-        return GrammarStepResp(req.step, rejected, ms, failed=failed, loop_bans=loop_bans, shared_fills=len(copies))
+        return GrammarStepResp(
+            req.step, rejected, ms, failed=failed, loop_bans=loop_bans, shared_fills=len(copies), empty=empty
+        )
 
     def _limit_hit(self, m: Matcher) -> str | None:
         """Why a matcher that refused a token is past a backend limit, or None. llguidance's token check can refuse

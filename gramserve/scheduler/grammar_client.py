@@ -373,6 +373,8 @@ class GrammarClient:
             self._rejected[rid] = ("the grammar rejected a token (internal error)", 500)
         for rid, why in resp.failed.items():
             self._rejected.setdefault(rid, (f"the grammar is too complex for its backend, which stopped: {why}", 400))
+        for rid in resp.empty:
+            self._rejected.setdefault(rid, ("the grammar allows no output: no value satisfies it", 400))
         self.timing["replies"] += 1
         self.timing["fill_ms"] += resp.fill_ms
         self.timing["loop_bans"] += resp.loop_bans
