@@ -153,6 +153,13 @@ def test_n_choices(client, model_name):
         for ch in chunk.choices:
             per_choice[ch.index] = per_choice.get(ch.index, "") + (ch.delta.content or "")
     assert sorted(per_choice) == [0, 1, 2]
+    # A sweep over seeds gives new samples: choice 1 of seed 7 is not choice 0 of seed 8 (a new user's finding,
+    # when choice i took seed + i).
+    seven, eight = (
+        client.chat.completions.create(model=model_name, messages=CHAT, n=2, temperature=1.0, max_tokens=12, seed=s)
+        for s in (7, 8)
+    )
+    assert seven.choices[1].message.content != eight.choices[0].message.content
 
 
 def test_seed_reproducibility(client, model_name):
@@ -528,7 +535,7 @@ def test_native_generate_batches(base_url):
     assert [b["meta_info"]["completion_tokens"] for b in by_ids] == [5, 2]
     sampled = {"max_new_tokens": 8, "temperature": 1.0, "seed": 7, "n": 3}
     three = httpx.post(base_url + "/generate", json={"text": texts[0], "sampling_params": sampled}).json()
-    assert len(three) == 3 and len({t["text"] for t in three}) > 1  # seeds 7, 8, 9
+    assert len(three) == 3 and len({t["text"] for t in three}) > 1  # seed 7 and two derived from it
     again = httpx.post(base_url + "/generate", json={"text": texts[0], "sampling_params": sampled}).json()
     assert [t["text"] for t in again] == [t["text"] for t in three]
     payloads = _sse_payloads(base_url, {"text": texts, "sampling_params": greedy})

@@ -155,6 +155,21 @@ def test_other_backends_per_request(client, model_name, backend):
     )
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     assert r.model_extra["grammar_backend"] == backend
+    # A stream says it on the choice's last chunk (it never did before).
+    chunks = list(
+        client.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": "Name and a number, as JSON."}],
+            max_tokens=80,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+            extra_body={"grammar_backend": backend},
+            stream=True,
+        )
+    )
+    last = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert last.model_extra["grammar_backend"] == backend
+    assert all(c.model_extra.get("grammar_backend") is None for c in chunks if c is not last)
 
 
 def test_auto_falls_back(base_url, model_name):
@@ -233,6 +248,25 @@ def test_bad_constraints_are_400(base_url, model_name, body, fragment):
         },
     )
     assert r.status_code == 400
+
+
+@pytest.mark.parametrize("extra", [{"min_tokens": 40}, {"ignore_eos": True}])
+def test_a_constrained_output_ends_at_its_eos_whatever_min_tokens_and_ignore_eos_say(base_url, model_name, extra):
+    """The grammar allows EOS only where the output is complete; a new user saw `{"ok": true}` padded with EOS
+    tokens up to min_tokens (completion_tokens 40), or run to max_tokens under ignore_eos."""
+    body = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "Is it ok?"}],
+        "max_tokens": 60,
+        "temperature": 0,
+        **_schema_body({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}),
+        **extra,
+    }
+    r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    assert choice["finish_reason"] == "stop" and json.loads(choice["message"]["content"])["ok"] in (True, False)
+    assert usage["completion_tokens"] < 20, usage
 
 
 def test_top_logprobs_of_constrained_outputs_list_only_allowed_tokens(base_url, model_name):

@@ -88,3 +88,18 @@ class SamplingParams:
             raise SamplingParamsError(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
         if any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
             raise SamplingParamsError(f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters", "stop")
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def choice_seed(seed: int, i: int) -> int:
+    """The seed of choice `i` of a seeded request with `n` > 1: the request's own for choice 0, a hash of (seed, i)
+    for the others (splitmix64's finalizer). With `seed + i`, choice 1 of seed 7 was choice 0 of seed 8, so a sweep
+    over seeds returned the same samples again."""
+    if i == 0:
+        return seed
+    z = (seed + i * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) % (1 << 63)

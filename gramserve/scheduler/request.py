@@ -18,6 +18,9 @@ class Req:
         self.top_logprobs = msg.top_logprobs
         self.max_new_tokens = max_new_tokens
         self.eos_ids = set() if self.params.ignore_eos else eos_ids
+        # Under a grammar, EOS ends the request whatever ignore_eos and min_tokens say: the grammar allows it only
+        # where the output is complete, and its matcher, once it accepted EOS, refuses every later token.
+        self.grammar_eos_ids = eos_ids if msg.grammar is not None else set()
         self.stop_token_ids = set(self.params.stop_token_ids)
         self.output_ids: list[int] = []
         self.priority = msg.priority
@@ -84,6 +87,8 @@ class Req:
             self.grammar_started = marker in tail
         past_min = n >= self.params.min_new_tokens
         if past_min and (token in self.eos_ids or token in self.stop_token_ids):
+            self.finished = FinishReason("stop", matched=token)
+        elif token in self.grammar_eos_ids and self.grammar_started:
             self.finished = FinishReason("stop", matched=token)
         elif past_min and self.params.stop and self._tail_has_stop_string(tokenizer):
             return  # finished set by the check

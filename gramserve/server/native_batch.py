@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 
+from gramserve.sampling.params import choice_seed
 from gramserve.server import protocol as P
 from gramserve.server.errors import InvalidRequestError
 
@@ -54,7 +55,7 @@ def split_generate(req: P.GenerateRequest, max_n: int) -> tuple[list[P.GenerateR
         for j in range(n):
             one = dict(sampling)
             if seed_key is not None and j:
-                one[seed_key] = sampling[seed_key] + j  # n samples of one seeded prompt differ, reproducibly
+                one[seed_key] = choice_seed(sampling[seed_key], j)  # n samples differ, reproducibly
             rid = f"{base}-{j}" if n > 1 else base
             out.append(req.model_copy(update={key: prompt, "sampling_params": one, "rid": rid}))
     if len({r.rid for r in out}) != len(out):

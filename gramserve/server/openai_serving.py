@@ -1,6 +1,7 @@
 """The OpenAI layer: chat and text completions on top of the TokenizerManager, streaming and not.
 
-`n > 1` fans out into n engine requests (seed + i when seeded) whose streams are merged by choice index.
+`n > 1` fans out into n engine requests (each its own seed when seeded: `choice_seed`) whose streams are merged by
+choice index.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from gramserve.messages import GrammarRequest, ImageInput, TokenLogprob
 from gramserve.multimodal.images import ImageError
 from gramserve.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from gramserve.parsers.tool_calls import get_tool_call_parser
-from gramserve.sampling.params import SamplingParams
+from gramserve.sampling.params import SamplingParams, choice_seed
 from gramserve.server import protocol as P
 from gramserve.server.chat_output import ChoiceStream, DeltaFields, final_output, finish_reason
 from gramserve.server.errors import InvalidRequestError
@@ -46,7 +47,7 @@ INLINE_PREP_BYTES = 64 * 1024  # request bodies up to this size are prepared on 
 def _params_for_choice(base: SamplingParams, i: int) -> SamplingParams:
     if base.seed is None or i == 0:
         return base
-    return replace(base, seed=base.seed + i)
+    return replace(base, seed=choice_seed(base.seed, i))
 
 
 @dataclass
@@ -415,7 +416,10 @@ class OpenAIServing:
                         matched_stop=out.matched_stop if out.finished is not None else None,
                     )
                     usage = self._usage(prompt, totals[i], cached) if continuous else None
-                    yield P.ChatCompletionChunk(id=rid, model=self.model_of(setup), choices=[choice], usage=usage)
+                    backend = out.grammar_backend if choice.finish_reason is not None else None
+                    yield P.ChatCompletionChunk(
+                        id=rid, model=self.model_of(setup), choices=[choice], usage=usage, grammar_backend=backend
+                    )
                 if include_usage:
                     yield P.ChatCompletionChunk(
                         id=rid, model=self.model_of(setup), choices=[], usage=self._usage(prompt, sum(totals), cached)
@@ -584,6 +588,7 @@ class OpenAIServing:
                                 matched_stop=out.matched_stop,
                             )
                         ],
+                        grammar_backend=out.grammar_backend if out.finished is not None else None,
                     )
                 if include_usage:
                     usage = self._usage(sum(prompt_tokens), sum(totals), sum(cached))

@@ -335,6 +335,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Optional[UsageInfo] = None
+    grammar_backend: Optional[str] = None  # on a constrained choice's last chunk: which backend constrained it
 
 
 class CompletionLogprobs(BaseModel):
