@@ -23,6 +23,7 @@ from gramserve.model.lora.adapter import LoRAAdapterError
 from gramserve.server.processes import EngineProcesses, StartupError, run_follower_node, start_engine_processes
 
 logger = logging.getLogger("gramserve")
+GIL_SWITCH_S = 0.0005  # see _serve
 
 
 def launch_server(args: ServerArgs) -> int:
@@ -86,6 +87,9 @@ def _serve(engine: EngineProcesses) -> int:
 
     config, runner_info, health = engine.config, engine.runner_info, engine.health
     args = config.args
+    # The last checks and request preparation run on threads, in pure Python; at the default 5 ms switch interval
+    # the event loop, which streams every request, waited up to 5 ms for the GIL behind one of them.
+    sys.setswitchinterval(GIL_SWITCH_S)
     metrics = RequestMetrics(args.model_name)
     tm = TokenizerManager(
         config, engine.tokenizer, runner_info["context_length"], runner_info["vocab_size"], health, metrics
