@@ -326,6 +326,29 @@ def test_the_service_closes_a_stalled_array_where_the_grammar_allows(tokenizer):
         svc.close()
 
 
+def test_a_key_may_not_end_as_one_its_object_already_has(tokenizer):
+    """An open object (additionalProperties): after `"type": 1, "type` the tokens that would close the key (`":`,
+    `"`, ...) are not in the mask, so the model writes another character; in an object without that key they are.
+    A new user's outputs had `{..., "type": -1, "data": -1, "type": -1}`, which validates (json.loads keeps the
+    last value) yet reads differently to a parser that keeps the first."""
+    bitmask = allocate_bitmask(2, len(tokenizer))
+    svc = guarded_service(tokenizer, bitmask)
+    schema = {"type": "object", "additionalProperties": {"type": "integer"}}
+    close_key = tokenizer.convert_tokens_to_ids('":')
+    try:
+        compile_schemas(svc, {"again": schema, "other": schema})
+        again = tokenizer.encode('{"type": 1, "type', add_special_tokens=False)
+        other = tokenizer.encode('{"kind": 1, "type', add_special_tokens=False)
+        assert len(again) == len(other)
+        for i, (a, o) in enumerate(zip(again, other)):
+            reply = svc.step(GrammarStepReq(i, [("again", a), ("other", o)], [("again", 0), ("other", 1)], []))
+        assert reply.loop_bans == 1
+        assert not allowed(bitmask, 0, close_key) and allowed(bitmask, 1, close_key)
+        assert allowed(bitmask, 0, tokenizer.convert_tokens_to_ids("s"))  # "types" is another key
+    finally:
+        svc.close()
+
+
 def test_unique_arrays_are_found_by_name_through_refs_and_combinators():
     tag = {"type": "object", "properties": {"Key": {"type": "string"}, "Value": {"type": "string"}}}
     schema = {

@@ -159,10 +159,13 @@ class LoopGuard:
             counting.push(DIGITS, digits)
 
     def banned(self) -> frozenset[int] | set[int]:
-        """The tokens the next mask must not allow (empty: no loop, and no item about to copy an earlier one)."""
+        """The tokens the next mask must not allow (empty: no loop, no item about to copy an earlier one, no key
+        about to repeat one of its object)."""
         out = self._loop_bans()
-        if self._shape is not None and (copies := self._shape.duplicate_endings()):
-            return out | set(copies)
+        if self._shape is not None:
+            copies = self._shape.duplicate_endings() + self._shape.duplicate_keys()
+            if copies:
+                return out | set(copies)
         return out
 
     def _loop_bans(self) -> frozenset[int] | set[int]:
