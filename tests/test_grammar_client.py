@@ -108,3 +108,16 @@ def test_a_request_goes_where_its_grammar_was_compiled_unless_that_shard_is_busi
     # a: 0; b: 1 (lighter); c, d: their grammars' shards at equal load; e: new, the lighter; then shard 0 holds
     # 3, 4 against 2: f and g stay with g1's shard; at 5 against 2, h goes to the lighter one.
     assert placed == {"a": 0, "b": 1, "c": 0, "d": 1, "e": 0, "f": 0, "g": 0, "h": 1}
+
+
+def test_answers_about_freed_requests_are_dropped(rig):
+    """Under the token feed a request failed by its first answer (`empty`: its grammar allows nothing) has its
+    sampled token refused by the worker one step later; the scheduler has freed it by then, and that late
+    `rejected` was kept forever (every later step then looked through the rejections)."""
+    client, shards, _ = rig
+    client.compile("a", GrammarRequest("regex", "a+"))
+    client._on_step(GrammarStepResp(1, [], shard=0, empty=["a"]))
+    assert client.take_rejected(["a"]) == {"a": ("the grammar allows no output: no value satisfies it", 400)}
+    client.free("a")
+    client._on_step(GrammarStepResp(2, ["a"], shard=0, failed={"a": "x"}, empty=["a"]))
+    assert client._rejected == {}

@@ -36,7 +36,7 @@ CORPUS = Path(__file__).parents[1] / ".." / "shared" / "corpora" / "jsonschemabe
         ({"type": "integer", "const": "a"}, "no const value of its type 'integer'"),
         ({"$ref": "#"}, "only refers to itself"),
         ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "refers to itself"),
-        ({"properties": {"x": {"$ref": "#/properties/x"}}, "required": ["x"]}, "at /properties/x only refers"),
+        ({"type": "object", "properties": {"x": {"$ref": "#/properties/x"}}, "required": ["x"]}, "/properties/x only"),
         ({"type": "array", "items": {"type": "null", "const": 0}, "minItems": 1}, "at /items has no const"),
     ],
 )
@@ -59,6 +59,17 @@ def test_schemas_no_backend_can_serve_are_named(schema, fragment):
         {"type": "object", "properties": {"child": {"$ref": "#"}}},  # recursion with a way out
         {"type": "object", "properties": {"builtin": {"type": "object", "enum": ["A"]}}},  # optional: never written
         {"type": "array", "items": {"$ref": "#/items"}},  # may be empty
+        # null (or any value of another type) needs neither the required member nor the items
+        {"type": ["object", "null"], "properties": {"x": {"type": "string", "enum": [1]}}, "required": ["x"]},
+        {"type": ["array", "null"], "minItems": 1, "items": {"type": "null", "const": 0}},
+        {"properties": {"x": {"$ref": "#/properties/x"}}, "required": ["x"]},
+        # a nested $id: its $refs resolve against it, which the checks do not follow
+        {
+            "type": "object",
+            "properties": {"a": {"$id": "http://e/x", "$ref": "#/$defs/y", "$defs": {"y": {"type": "string"}}}},
+            "$defs": {"y": {"type": "string", "enum": [1]}},
+            "required": ["a"],
+        },
         {"$defs": {"n": {"type": "object", "properties": {"k": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"},
         {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"type": "string"}}},  # a chain, no cycle
     ],

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any, Iterator
 
+import jsonschema
+
 # xgrammar 0.2.8 compiles these but does not enforce them (oneOf is treated as anyOf).
 XGRAMMAR_UNENFORCED = {
     "allOf",
@@ -50,6 +52,7 @@ OUTLINES_UNENFORCED = {
 }
 # The string formats xgrammar 0.2.8 enforces; any other (iri, idn-email, idn-hostname, iri-reference, regex, an
 # unknown name) it compiles as any string (probed 2026-11-28: each format against a string with spaces and braces).
+# Those the last check holds outputs to are unenforced (`_format_unenforced_by_xgrammar`).
 XGRAMMAR_FORMATS = {
     "date-time",
     "date",
@@ -66,6 +69,7 @@ XGRAMMAR_FORMATS = {
     "json-pointer",
     "relative-json-pointer",
 }
+_CHECKED_FORMATS = frozenset(jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers)
 _NUMERIC_BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
 _LENGTH_BOUNDS = {"minLength", "maxLength"}
 
@@ -192,7 +196,7 @@ def unenforced(backend: str, schema_text: str) -> list[str]:
         if backend != "xgrammar":
             continue  # llguidance rejects at compile time what it cannot enforce
         found |= XGRAMMAR_UNENFORCED & node.keys()
-        if isinstance(node.get("format"), str) and node["format"] not in XGRAMMAR_FORMATS:
+        if _format_unenforced_by_xgrammar(node):
             found.add(f"format {node['format'][:40]!r}")
         if node.get("uniqueItems") is True:
             found.add("uniqueItems")
@@ -213,6 +217,15 @@ def unenforced(backend: str, schema_text: str) -> list[str]:
         elif isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):  # an anchor name: "any JSON" too
             found.add(f"a $ref to an anchor ({ref[:80]})")
     return sorted(found)
+
+
+def _format_unenforced_by_xgrammar(node: dict) -> bool:
+    """A string format the last check holds outputs to (jsonschema's format checker) that xgrammar compiles as any
+    string. Formats the checker does not know (int64, password) bind nothing, and apply to strings only."""
+    fmt, types = node.get("format"), node.get("type")
+    if not isinstance(fmt, str) or fmt in XGRAMMAR_FORMATS or fmt not in _CHECKED_FORMATS:
+        return False
+    return types is None or types == "string" or (isinstance(types, list) and "string" in types)
 
 
 def _regex_elements(pattern: str):

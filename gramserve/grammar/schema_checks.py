@@ -64,6 +64,10 @@ def schema_problem(schema_text: str) -> str | None:
                 return f"the JSON schema at {_pointer(path)} has a pattern that does not compile ({exc}): {pattern!r}"
         if _integer_range_past_64_bits(node):
             return f"the JSON schema at {_pointer(path)} asks for an integer range beyond 64-bit integers"
+    # A nested `$id` starts a new base for the `$ref`s under it, which `_local_target` does not follow: those
+    # schemas skip the checks below.
+    if any("$id" in node for node, path in schema_nodes(schema) if path):
+        return None
     for node, path in _necessary_nodes(schema):
         if _no_value_of_its_type(node):
             which = "enum values" if "enum" in node else "const value"
@@ -95,11 +99,13 @@ def _necessary_nodes(schema: dict):
             stack.append((_local_target(schema, ref), _ref_path(ref)))
         if isinstance(node.get("allOf"), list):
             stack.extend((sub, (*path, "allOf", i)) for i, sub in enumerate(node["allOf"]))
+        # `required` and `minItems` bind only values of their type: an untyped node, or one that may be null, has
+        # values without those members or items.
         props, required = node.get("properties"), node.get("required")
-        if isinstance(props, dict) and isinstance(required, list):
+        if _only_type(node, "object") and isinstance(props, dict) and isinstance(required, list):
             stack.extend((props[k], (*path, "properties", k)) for k in required if isinstance(k, str) and k in props)
         min_items = node.get("minItems")
-        if isinstance(min_items, int) and not isinstance(min_items, bool) and min_items > 0:
+        if _only_type(node, "array") and isinstance(min_items, int) and not isinstance(min_items, bool) and min_items:
             prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
             stack.extend((sub, (*path, "prefixItems", i)) for i, sub in enumerate(prefix[:min_items]))
             if min_items > len(prefix) and isinstance(node.get("items"), dict):
@@ -174,6 +180,10 @@ def _refers_only_to_itself(root: dict, node: dict) -> bool:
         seen.add(id(node))
         node = _local_target(root, node["$ref"])
     return False
+
+
+def _only_type(node: dict, name: str) -> bool:
+    return node.get("type") in (name, [name])
 
 
 def _ref_path(ref: str) -> tuple[str, ...]:

@@ -569,10 +569,11 @@ class GrammarService:
             loop_bans += self._fill(again)
         failed.update((rid, why) for rid, (m, _) in zip(rids, rows) if (why := m.error()))
         empty = []
-        if self._unfilled:  # a grammar that allows no first token accepts nothing: a 400, not a token it refuses
+        # A grammar that allows no first token accepts nothing: a 400, not a token it then refuses (a 500).
+        if self._unfilled and (fresh := self._unfilled.intersection(rids)):
+            self._unfilled -= fresh
             for rid, (_, row) in zip(rids, rows):
-                if rid in self._unfilled:
-                    self._unfilled.discard(rid)
+                if rid in fresh:
                     # llguidance stops with "NoExtensionBias" where no token can extend the empty output
                     stopped = NO_EXTENSION in failed.get(rid, "")
                     if stopped or (rid not in failed and not self.bitmask[row].any()):

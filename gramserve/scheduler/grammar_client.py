@@ -1,11 +1,11 @@
 """The scheduler's side of the grammar workers: which worker serves which request, and the step messages.
 
 There are `Settings.grammar_shards` grammar workers. Each constrained request is given to one of them (its
-*shard*: the one with the fewest live requests, preferring one that compiled the same grammar lately) when its
-compile is asked for; that worker keeps its matcher until `free`. Each constrained request also owns one bitmask
-row (its *slot*, `grammar_slots.SlotTable`) while it runs. A grammar step asks every shard with work in it to
-accept tokens and fill slots; `wait` collects the answers (each shard answers in step order) before the scheduler
-applies the masks (`sampling/grammar_masks.py`).
+*shard*: one that had the same grammar lately unless it holds more than AFFINITY_SLACK live requests more than the
+lightest, else the lightest) when its compile is asked for; that worker keeps its matcher until `free`. Each
+constrained request also owns one bitmask row (its *slot*, `grammar_slots.SlotTable`) while it runs. A grammar step
+asks every shard with work in it to accept tokens and fill slots; `wait` collects the answers (each shard answers in
+step order) before the scheduler applies the masks (`sampling/grammar_masks.py`).
 
 Two ways a slot gets its next mask:
 * a fill asked for by the scheduler (`begin_step`), with the accepts the scheduler queued: the plain schedule
@@ -369,12 +369,19 @@ class GrammarClient:
         sent = self._unanswered[resp.shard]
         while sent and sent[0] <= resp.step:
             sent.popleft()
-        for rid in resp.rejected:
-            self._rejected[rid] = ("the grammar rejected a token (internal error)", 500)
-        for rid, why in resp.failed.items():
-            self._rejected.setdefault(rid, (f"the grammar is too complex for its backend, which stopped: {why}", 400))
+        # Answers about requests already freed (one failed by an earlier answer whose sampled token the worker then
+        # refused through the feed) are dropped: nothing would ever take them.
+        live = self._shard_of
         for rid in resp.empty:
-            self._rejected.setdefault(rid, ("the grammar allows no output: no value satisfies it", 400))
+            if rid in live:
+                self._rejected.setdefault(rid, ("the grammar allows no output: no value satisfies it", 400))
+        for rid, why in resp.failed.items():
+            if rid in live:
+                why = f"the grammar is too complex for its backend, which stopped: {why}"
+                self._rejected.setdefault(rid, (why, 400))
+        for rid in resp.rejected:
+            if rid in live:
+                self._rejected.setdefault(rid, ("the grammar rejected a token (internal error)", 500))
         self.timing["replies"] += 1
         self.timing["fill_ms"] += resp.fill_ms
         self.timing["loop_bans"] += resp.loop_bans

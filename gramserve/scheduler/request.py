@@ -19,7 +19,8 @@ class Req:
         self.max_new_tokens = max_new_tokens
         self.eos_ids = set() if self.params.ignore_eos else eos_ids
         # Under a grammar, EOS ends the request whatever ignore_eos and min_tokens say: the grammar allows it only
-        # where the output is complete, and its matcher, once it accepted EOS, refuses every later token.
+        # where the output is complete, and once it accepted EOS it allows nothing but EOS again (outputs were
+        # padded with EOS tokens up to min_tokens, or to max_tokens under ignore_eos).
         self.grammar_eos_ids = eos_ids if msg.grammar is not None else set()
         self.stop_token_ids = set(self.params.stop_token_ids)
         self.output_ids: list[int] = []

@@ -101,8 +101,15 @@ def _multiple_of_keyword(validator, divisor, instance, schema):
     digits of quotient (a random-weight model writes 30-digit numbers), which left the whole output unchecked."""
     if not validator.is_type(instance, "number") or not validator.is_type(divisor, "number") or divisor <= 0:
         return
+    if isinstance(instance, Decimal) and instance.is_finite() and instance.adjusted() in (MAX_EMAX, MIN_EMIN):
+        raise ClampedNumber(instance)  # output_number kept only its sign and magnitude: it cannot be checked
     if not is_multiple(instance, divisor):
-        yield ValidationError(f"{instance!r} is not a multiple of {divisor}")
+        text = str(instance)
+        yield ValidationError(f"{text if len(text) <= 40 else text[:37] + '...'} is not a multiple of {divisor}")
+
+
+class ClampedNumber(ArithmeticError):
+    """An output number past Decimal's range, clamped by `output_number`: its digits are gone."""
 
 
 def is_multiple(value, divisor) -> bool:
@@ -113,22 +120,24 @@ def is_multiple(value, divisor) -> bool:
     divisor = Decimal(repr(divisor)) if isinstance(divisor, float) else Decimal(divisor)
     if not value.is_finite():
         return False
-    c1, e1 = _coefficient(value)
-    c2, e2 = _coefficient(divisor)
+    if not divisor.is_finite():
+        return True  # a schema's Infinity: no finite multiple, nothing to hold the value to
+    (c1, n1, e1), (c2, _, e2) = _coefficient(value), _coefficient(divisor)
     if c1 == 0:
         return True
     shift = e1 - e2
     if shift >= 0:
         return c1 * pow(10, shift, c2) % c2 == 0
-    if -shift > len(str(c1)):  # c2 x 10^-shift > c1 > 0
+    if -shift > n1:  # c2 x 10^-shift > c1 > 0
         return False
     return c1 % (c2 * 10**-shift) == 0
 
 
-def _coefficient(d: Decimal) -> tuple[int, int]:
-    """|d| as (integer coefficient, exponent)."""
+def _coefficient(d: Decimal) -> tuple[int, int, int]:
+    """|d| as (integer coefficient, its number of digits, exponent); Decimal to int is not bound by Python's
+    4,300-digit limit on int and str conversions."""
     _, digits, exponent = d.as_tuple()
-    return int("".join(map(str, digits)) or "0"), exponent
+    return int(Decimal((0, digits, 0))), len(digits), exponent
 
 
 # The keywords the check does its own way (the regex module with a time limit; exact multiples).
