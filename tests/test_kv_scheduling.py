@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import pathlib
 
 import httpx
 import pytest
@@ -260,3 +261,30 @@ def test_max_consecutive_prefills_bounds_the_stall_of_running_streams(tokenizer,
         assert max(len(run) for run in kinds.split("D")) == (7 if limit == 0 else limit), (limit, kinds)
         runs[limit] = outs
     assert runs[1] == runs[2] == runs[0]
+
+
+def test_a_request_may_not_grow_past_the_kv_pool(tokenizer):
+    """A KV pool smaller than the context length (a large shape on a CPU): the context becomes what the pool holds,
+    so a request alone cannot outgrow it. Before, its step found no free slot and failed every request in flight
+    (OutOfSlotsError: "internal error while running the batch")."""
+    args = ServerArgs(
+        model_path=str(pathlib.Path(__file__).parent / "data" / "tiny_llama.json"),
+        load_format="dummy",
+        kv_cache_memory_gb=0.0005,
+        context_length=2048,
+    )
+    sched = Scheduler(in_process_config(args), tokenizer)
+    assert sched.context_length == sched.allocator.size < 2048
+    long = SamplingParams(max_new_tokens=1500, temperature=0, ignore_eos=True)
+    sched.add_request(TokenizedGenerateReq("long", [5] * 10, long))
+    sched.add_request(TokenizedGenerateReq("short", [6] * 10, SamplingParams(max_new_tokens=20, temperature=0)))
+    counts, finished = {}, {}
+    while sched.has_work:
+        out = sched.step()
+        for rid, ids, fin in zip(out.rids, out.new_token_ids, out.finished) if out else ():
+            counts[rid] = counts.get(rid, 0) + len(ids)
+            if fin is not None:
+                finished[rid] = fin.type
+    assert finished == {"long": "length", "short": finished["short"]} and finished["short"] in ("stop", "length")
+    assert counts["long"] == sched.context_length - 10
+    _assert_whole(sched.server_info())

@@ -113,6 +113,17 @@ class ModelRunner:
         self.memory: dict | None = None
         part = self.model.part
         num_slots = self.tp.min_int(self._kv_slots(cfg.max_running_requests))  # the same slots on every rank
+        if num_slots < self.context_length:
+            # One request may not grow past the pool: alone, nothing could be retracted for it, and the step that
+            # found no free slot failed every request in flight. Its context is what the pool holds.
+            logger.warning(
+                "the KV pool holds %d tokens, fewer than the context length %d: the context is %d tokens "
+                "(more memory for the KV cache: --kv-cache-memory-gb)",
+                num_slots,
+                self.context_length,
+                num_slots,
+            )
+            self.context_length = num_slots
         self.kv_cache = KVCache(
             self.config.num_layers, num_slots, part.num_kv_heads, self.config.head_dim, self.dtype, self.device
         )

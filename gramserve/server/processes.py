@@ -25,6 +25,7 @@ from gramserve.config import LaunchInfo, ServerArgs, ServerConfig, Settings, spl
 from gramserve.detokenizer.process import run_detokenizer_process
 from gramserve.grammar.grammar_shm import create_grammar_shm
 from gramserve.grammar.worker import run_grammar_worker, worker_name
+from gramserve.host_memory import available_memory_bytes
 from gramserve.ipc import SCHEDULER_IN, push_socket
 from gramserve.messages import ReplicaDown
 from gramserve.model.loader import default_tokenizer_dir, load_config_dict, resolve_model
@@ -99,6 +100,32 @@ def check_parallel_fit(args: ServerArgs, model_cfg: ModelConfig) -> None:
         raise StartupError(str(exc)) from None
     if model_cfg.vision is not None:
         raise StartupError("a vision-language model with tp_size > 1 is not supported yet; use tp_size 1")
+
+
+MEMORY_MARGIN_BYTES = 2 * 2**30  # beyond the weights: the KV pool's CPU default (at most 2 GiB) and the processes
+
+
+def check_memory_fit(args: ServerArgs, settings: Settings, model_cfg: ModelConfig) -> None:
+    """Refuse, before any process starts, a CPU model whose weights alone would not fit in the memory this host has
+    available: loading them anyway filled the RAM until the kernel's OOM killer ended the scheduler (an 8B shape
+    with random weights on a 24 GiB machine: 70 s, then "exit code -9")."""
+    if settings.device != "cpu":
+        return  # a GPU's memory is planned by the model runner (mem_fraction_static)
+    available = available_memory_bytes()
+    if available is None:
+        return
+    import torch
+
+    per_copy = model_cfg.num_params() * torch.empty((), dtype=getattr(torch, settings.dtype)).element_size()
+    weights = per_copy * args.dp_size  # each replica holds the weights; tensor-parallel ranks split one copy
+    if weights + MEMORY_MARGIN_BYTES > available:
+        replicas = f" x {args.dp_size} replicas" if args.dp_size > 1 else ""
+        raise StartupError(
+            f"the model's weights need {weights / 2**30:.1f} GiB in {settings.dtype} "
+            f"({model_cfg.num_params() / 1e9:.2f}B parameters{replicas}), and this host has "
+            f"{available / 2**30:.1f} GiB of memory available (2 GiB more are needed beside them): "
+            "use a smaller model, or a GPU"
+        )
 
 
 def check_devices(args: ServerArgs, settings: Settings) -> None:
@@ -192,10 +219,11 @@ def describe_settings(settings: Settings) -> str:
     return ", ".join(f"{k}={v}" for k, v in settings.to_dict().items())
 
 
-def derive_launch_info(args: ServerArgs, tokenizer_dir: str, ipc_dir: str, tokenizer) -> LaunchInfo:
+def derive_launch_info(
+    args: ServerArgs, model_cfg: ModelConfig, tokenizer_dir: str, ipc_dir: str, tokenizer
+) -> LaunchInfo:
     """What the child processes need besides the arguments: the tokenizer folder, the vocabulary, EOS ids and
     the resolved parsers (the grammar shared memory's name is added once it exists)."""
-    model_cfg = ModelConfig.from_dict(load_config_dict(resolve_model(args.model_path, args.load_format)[0]))
     check_parallel_fit(args, model_cfg)
     eos = set(model_cfg.eos_token_ids)
     if tokenizer.eos_token_id is not None:
@@ -311,7 +339,9 @@ def start_engine_processes(args: ServerArgs) -> EngineProcesses:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         if args.chat_template:
             tokenizer.chat_template = read_chat_template(args.chat_template)
-        launch = derive_launch_info(args, tokenizer_dir, ipc_dir, tokenizer)
+        model_cfg = ModelConfig.from_dict(load_config_dict(resolve_model(args.model_path, args.load_format)[0]))
+        check_memory_fit(args, settings, model_cfg)
+        launch = derive_launch_info(args, model_cfg, tokenizer_dir, ipc_dir, tokenizer)
         launch = dataclasses.replace(launch, dist_init_methods=dist_init_methods(args))
         config = ServerConfig(args, settings, launch)
         pipes = {}

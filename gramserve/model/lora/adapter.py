@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gramserve.config import LORA_TARGET_MODULES as TARGET_MODULES  # the projections LoRA may adapt (HF names)
+from gramserve.host_memory import available_memory_bytes
 from gramserve.model.model_config import ModelConfig
 
 _WEIGHT_NAME = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
@@ -154,17 +155,6 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
             raise LoRAAdapterError(f"{pt} does not hold a state dict")
         return tensors
     raise LoRAAdapterError(f"no adapter_model.safetensors (or adapter_model.bin) in LoRA adapter path {path!r}")
-
-
-def available_memory_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def load_adapter(
