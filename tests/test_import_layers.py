@@ -14,7 +14,7 @@ TYPE_CHECKING). The layers, top down:
     grammar protocol        sampling, base                          (grammar_shm, token_feed: the scheduler's share)
     model, parsers          base
     sampling                base
-    base                    nothing else (config, ipc, messages, histogram, native, sampling.params: a message field)
+    base                    nothing else (config, ipc, messages, host_memory, histogram, native, sampling.params)
 
 So the scheduler process loads no grammar backend code, and the grammar workers load no model code. Read
 statically with `ast`, without importing anything.
@@ -34,6 +34,7 @@ PARTS = {
     "gramserve.config": "base",
     "gramserve.ipc": "base",
     "gramserve.messages": "base",
+    "gramserve.host_memory": "base",
     "gramserve.histogram": "base",
     "gramserve.native": "base",
     "gramserve.sampling.params": "base",
