@@ -135,3 +135,21 @@ def test_extract_refuses_a_bad_schema_before_loading_the_model(tmp_path):
         cmd = [sys.executable, "-m", "gramserve", "extract", "--schema", str(good), "--input", str(docs), flag, value]
         run = subprocess.run([*cmd, "--output", str(tmp_path / "o.jsonl")], capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and flag in run.stderr, (flag, run.stderr)
+
+
+def test_extract_never_deletes_lines_it_did_not_write(tmp_path):
+    """A new user's finding: resuming into an --output with lines that are not a job's records (notes, another
+    file, the input itself) silently dropped them. Those, a folder as --output and the input as --output are now
+    usage errors before the model loads, and the file is left as it was."""
+    schema = os.path.join(ROOT, "schemas", "support_ticket.json")
+    docs = tmp_path / "d.jsonl"
+    docs.write_text('{"id": "x1", "text": "Ann, 30, Rome."}\n{"id": "x2", "text": "Ben, 40, Oslo."}\n')
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"id": "x1", "status": "ok", "data": {}}\ngarbage line\n{"note": "my notes"}\n')
+    cmd = [sys.executable, "-m", "gramserve", "extract", "--schema", schema, "--input", str(docs), "--output"]
+    for output, fragment in ((mine, "line 2 is not a line of an extraction output"), (docs, "is the input file"),
+                             (tmp_path, "is a folder")):  # fmt: skip
+        before = output.read_text() if output.is_file() else None
+        run = subprocess.run([*cmd, str(output)], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and fragment in run.stderr and "Traceback" not in run.stderr, run.stderr[-1500:]
+        assert before is None or output.read_text() == before

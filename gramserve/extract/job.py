@@ -76,7 +76,9 @@ class Summary:
         lines = [
             f"documents {self.documents}: done {self.done}, failed {self.failed}, skipped (already in the output) "
             f"{self.skipped}",
-            f"validity: {self.validity_rate:.1%} of the returned objects validate against the schema",
+            f"validity: {self.validity_rate:.1%} of the returned objects validate against the schema"
+            if self.done + self.invalid
+            else "validity: n/a (no object returned)",
             f"{self.seconds:.1f} s: {d['documents_per_s']:.2f} documents/s, {d['output_tokens_per_s']:.1f} output "
             f"tokens/s; prompt tokens {self.prompt_tokens} ({self.cached_tokens} from the prefix cache)",
         ]
@@ -90,37 +92,13 @@ class OutputFile:
 
     def __init__(self, path: str, retry_failed: bool):
         self.path = path
-        self.finished: set[str] = set()
-        kept = self._read(retry_failed)
+        self.finished, kept = read_output(path, retry_failed)
         if kept is not None:  # rewritten without the lines to run again (or a torn last line)
             tmp = f"{path}.tmp"
             with open(tmp, "w", encoding="utf-8") as f:
                 f.writelines(kept)
             os.replace(tmp, path)
         self._file = open(path, "a", encoding="utf-8")
-
-    def _read(self, retry_failed: bool) -> list[str] | None:
-        """Record the ids done; returns the lines to keep when the file must be rewritten, else None."""
-        if not os.path.exists(self.path):
-            return None
-        kept, rewrite = [], False
-        with open(self.path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                try:
-                    item = json.loads(line)
-                    doc_id = str(item["id"])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    rewrite = True  # a line torn by a crash: dropped, its document runs again
-                    continue
-                if not line.endswith("\n"):
-                    line += "\n"
-                    rewrite = True
-                if retry_failed and item.get("status") != "ok":
-                    rewrite = True
-                    continue
-                self.finished.add(doc_id)
-                kept.append(line)
-        return kept if rewrite else None
 
     def write(self, item: dict) -> None:
         self._file.write(json.dumps(item, ensure_ascii=False) + "\n")
@@ -130,9 +108,45 @@ class OutputFile:
         self._file.close()
 
 
+def read_output(path: str, retry_failed: bool) -> tuple[set[str], list[str] | None]:
+    """The ids an existing output holds, and the lines to keep when it must be rewritten (None: kept as it is).
+    Only a torn last line (a crash mid-write) and, with `retry_failed`, the failed documents' lines are dropped; any
+    other line that is not one of a job's records makes it a ValueError that names the line: a re-run never deletes
+    what it did not write (an --output given the input file, or another file, lost its lines that way)."""
+    finished: set[str] = set()
+    if not os.path.exists(path):
+        return finished, None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.readlines()
+    kept, rewrite = [], False
+    for number, line in enumerate(lines, 1):
+        try:
+            item = json.loads(line)
+            ours = isinstance(item, dict) and "id" in item and item.get("status") in ("ok", "error")
+        except json.JSONDecodeError:
+            ours = False
+        if not ours:
+            if number == len(lines) and not line.endswith("\n"):
+                rewrite = True  # a line torn by a crash: dropped, its document runs again
+                continue
+            raise ValueError(
+                f"--output {path}: line {number} is not a line of an extraction output ({line.strip()[:80]!r}); "
+                "give a new file, or the output of an earlier run of this job"
+            )
+        if retry_failed and item["status"] != "ok":
+            rewrite = True
+            continue
+        finished.add(str(item["id"]))
+        kept.append(line)
+    return finished, kept if rewrite else None
+
+
 def load_schema(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
-        schema = json.load(f)
+        try:
+            schema = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not JSON: {exc}") from None
     if not isinstance(schema, dict):
         raise ValueError(f"{path}: a JSON schema must be an object")
     validator = jsonschema.validators.validator_for(schema)
@@ -165,6 +179,11 @@ class ExtractionJob:
         out_dir = os.path.dirname(os.path.abspath(config.output_path))
         if not os.path.isdir(out_dir) or not os.access(out_dir, os.W_OK):
             raise ValueError(f"--output {config.output_path}: the folder {out_dir} does not exist or is not writable")
+        if os.path.isdir(config.output_path):
+            raise ValueError(f"--output {config.output_path} is a folder: give a file")
+        if os.path.exists(config.output_path) and os.path.samefile(config.input_path, config.output_path):
+            raise ValueError(f"--output {config.output_path} is the input file: give another file")
+        read_output(config.output_path, config.retry_failed)  # an output this job can resume, or a ValueError
         if config.concurrency is not None and config.concurrency < 1:
             raise ValueError(f"--concurrency must be at least 1, got {config.concurrency}")
         # checked here, not per document: a bad setting would write every document as an error, which a re-run
