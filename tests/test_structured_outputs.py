@@ -145,7 +145,7 @@ def test_other_backends_per_request(client, model_name, backend):
         "required": ["name", "n"],
         "additionalProperties": False,
     }
-    r = client.chat.completions.create(
+    ask = dict(
         model=model_name,
         messages=[{"role": "user", "content": "Name and a number, as JSON."}],
         max_tokens=80,
@@ -153,20 +153,11 @@ def test_other_backends_per_request(client, model_name, backend):
         response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
         extra_body={"grammar_backend": backend},
     )
+    r = client.chat.completions.create(**ask)
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     assert r.model_extra["grammar_backend"] == backend
     # A stream says it on the choice's last chunk (it never did before).
-    chunks = list(
-        client.chat.completions.create(
-            model=model_name,
-            messages=[{"role": "user", "content": "Name and a number, as JSON."}],
-            max_tokens=80,
-            temperature=0,
-            response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
-            extra_body={"grammar_backend": backend},
-            stream=True,
-        )
-    )
+    chunks = list(client.chat.completions.create(**ask, stream=True))
     last = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
     assert last.model_extra["grammar_backend"] == backend
     assert all(c.model_extra.get("grammar_backend") is None for c in chunks if c is not last)

@@ -73,7 +73,7 @@ _CHECKED_FORMATS = frozenset(jsonschema.Draft202012Validator.FORMAT_CHECKER.chec
 _NUMERIC_BOUNDS = {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}
 _LENGTH_BOUNDS = {"minLength", "maxLength"}
 
-_TYPE_CHECKS = {
+TYPE_CHECKS = {
     "string": lambda v: isinstance(v, str),
     "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
     "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
@@ -115,7 +115,7 @@ def _enum_type_conflict(node: dict) -> bool:
         return False
     types = [types] if isinstance(types, str) else list(types)
     values = node["enum"] if "enum" in node else [node["const"]]
-    ok = lambda v: any(_TYPE_CHECKS.get(t, lambda _: True)(v) for t in types)  # noqa: E731
+    ok = lambda v: any(TYPE_CHECKS.get(t, lambda _: True)(v) for t in types)  # noqa: E731
     return not all(ok(v) for v in values)
 
 

@@ -24,7 +24,8 @@ import jsonschema
 import regex
 
 from gramserve.grammar.backends.base import GrammarCompileError
-from gramserve.grammar.schema_audit import schema_nodes
+from gramserve.grammar.schema_audit import TYPE_CHECKS, schema_nodes
+from gramserve.grammar.schema_normalize import pointer_parts, resolve_ref
 
 
 class SchemaProblem(GrammarCompileError):
@@ -64,7 +65,7 @@ def schema_problem(schema_text: str) -> str | None:
                 return f"the JSON schema at {_pointer(path)} has a pattern that does not compile ({exc}): {pattern!r}"
         if _integer_range_past_64_bits(node):
             return f"the JSON schema at {_pointer(path)} asks for an integer range beyond 64-bit integers"
-    # A nested `$id` starts a new base for the `$ref`s under it, which `_local_target` does not follow: those
+    # A nested `$id` starts a new base for the `$ref`s under it, which `resolve_ref` does not follow: those
     # schemas skip the checks below.
     if any("$id" in node for node, path in schema_nodes(schema) if path):
         return None
@@ -96,7 +97,7 @@ def _necessary_nodes(schema: dict):
         yield node, path
         ref = node.get("$ref")
         if isinstance(ref, str):
-            stack.append((_local_target(schema, ref), _ref_path(ref)))
+            stack.append((resolve_ref(schema, ref), tuple(pointer_parts(ref) or ())))
         if isinstance(node.get("allOf"), list):
             stack.extend((sub, (*path, "allOf", i)) for i, sub in enumerate(node["allOf"]))
         # `required` and `minItems` bind only values of their type: an untyped node, or one that may be null, has
@@ -138,15 +139,9 @@ def _integer_range_past_64_bits(node: dict) -> bool:
     return low_past or high_past
 
 
-_TYPE_OF = {
-    "string": lambda v: isinstance(v, str),
-    "integer": lambda v: not isinstance(v, bool) and (isinstance(v, int) or (isinstance(v, float) and v.is_integer())),
-    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "boolean": lambda v: isinstance(v, bool),
-    "null": lambda v: v is None,
-    "object": lambda v: isinstance(v, dict),
-    "array": lambda v: isinstance(v, list),
-}
+# An integral float (1.0) is an integer in JSON Schema: the strict check is the audit's concern (xgrammar writes
+# the literal it was given).
+_TYPE_OF = {**TYPE_CHECKS, "integer": lambda v: TYPE_CHECKS["integer"](v) or (isinstance(v, float) and v.is_integer())}
 
 
 def _no_value_of_its_type(node: dict) -> bool:
@@ -178,34 +173,12 @@ def _refers_only_to_itself(root: dict, node: dict) -> bool:
         if id(node) in seen:
             return True
         seen.add(id(node))
-        node = _local_target(root, node["$ref"])
+        node = resolve_ref(root, node["$ref"])
     return False
 
 
 def _only_type(node: dict, name: str) -> bool:
     return node.get("type") in (name, [name])
-
-
-def _ref_path(ref: str) -> tuple[str, ...]:
-    """The keys of a local `$ref` ("#/a/b": ("a", "b"); "#": ())."""
-    if not ref.startswith("#/"):
-        return ()
-    return tuple(part.replace("~1", "/").replace("~0", "~") for part in ref[2:].split("/"))
-
-
-def _local_target(root: dict, ref: str):
-    """The schema a local `$ref` ("#" or "#/a/b") points at, or None."""
-    if ref != "#" and not ref.startswith("#/"):
-        return None
-    node = root
-    for part in _ref_path(ref):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
 
 
 def _pointer(path) -> str:

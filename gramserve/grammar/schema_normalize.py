@@ -236,11 +236,19 @@ _REWRITTEN_KEYS = frozenset(
 HOISTED_PREFIX = "gramserve_ref_"
 
 
-def _pointer_parts(ref: str) -> list[str] | None:
-    """The unescaped segments of a local JSON-pointer reference (``#/a/b~1c`` -> [a, b/c]), or None."""
+def pointer_parts(ref: str) -> list[str] | None:
+    """The unescaped segments of a local JSON-pointer reference (``#/a/b~1c`` -> [a, b/c]; ``#`` -> []), or None."""
+    if ref == "#":
+        return []
     if not ref.startswith("#/"):
         return None
     return [unquote(p).replace("~1", "/").replace("~0", "~") for p in ref[2:].split("/")]
+
+
+def resolve_ref(schema: Any, ref: str) -> Any:
+    """What a local `$ref` ("#", "#/a/b") points at in `schema`; None where it leads nowhere or is not local."""
+    parts = pointer_parts(ref)
+    return None if parts is None else _resolve(schema, parts)
 
 
 def _resolve(schema: Any, parts: list[str]) -> Any:
@@ -265,7 +273,7 @@ def hoist_deep_refs(schema: Any) -> Any:
     targets: dict[str, str] = {}
     for node in _subschemas(schema):
         ref = node.get("$ref")
-        parts = _pointer_parts(ref) if isinstance(ref, str) else None
+        parts = pointer_parts(ref) if isinstance(ref, str) and ref != "#" else None
         if parts and _REWRITTEN_KEYS.intersection(parts) and ref not in targets:
             if isinstance(_resolve(schema, parts), (dict, bool)):
                 targets[ref] = f"{HOISTED_PREFIX}{len(targets)}"
@@ -274,7 +282,7 @@ def hoist_deep_refs(schema: Any) -> Any:
     out = copy.deepcopy(schema)
     defs = out.get("$defs") if isinstance(out.get("$defs"), dict) else {}
     for ref, name in targets.items():
-        defs[name] = copy.deepcopy(_resolve(schema, _pointer_parts(ref)))
+        defs[name] = copy.deepcopy(_resolve(schema, pointer_parts(ref)))
     out["$defs"] = defs
     for node in _subschemas(out):
         ref = node.get("$ref")

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from gramserve.grammar.schema_normalize import resolve_ref
+
 _MAX_DEPTH = 16  # $ref hops followed from one property
 _MAX_NODES = 2000  # schemas one walk looks at
 MAX_DOMAIN = 256  # a closed set of item values larger than this is treated as open
@@ -84,7 +86,7 @@ def _unique_nodes(root: dict, node, depth: int = 0, budget: list[int] | None = N
     out = [node] if node.get("uniqueItems") is True else []
     ref = node.get("$ref")
     if isinstance(ref, str) and ref.startswith("#/"):
-        out += _unique_nodes(root, _resolve(root, ref), depth + 1, budget)
+        out += _unique_nodes(root, resolve_ref(root, ref), depth + 1, budget)
     for key in ("anyOf", "oneOf", "allOf"):
         if isinstance(node.get(key), list):
             for member in node[key]:
@@ -130,7 +132,7 @@ def closed_set(root: dict, schema, depth: int = 0, budget: list[int] | None = No
     narrow(_typed(schema))
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#/"):
-        narrow(closed_set(root, _resolve(root, ref), depth + 1, budget))
+        narrow(closed_set(root, resolve_ref(root, ref), depth + 1, budget))
     for member in schema.get("allOf") or []:
         narrow(closed_set(root, member, depth + 1, budget))
     for key in ("anyOf", "oneOf"):
@@ -219,17 +221,3 @@ def _type_of(text: str) -> str:
     if text == "null":
         return "null"
     return "integer" if text.lstrip("-").isdigit() else "number"
-
-
-def _resolve(root: dict, ref: str):
-    """A local JSON pointer (``#/definitions/Tag``); None where it leads nowhere."""
-    node = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict):
-            node = node.get(part)
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
