@@ -68,13 +68,14 @@ def main() -> int:
     p.add_argument("--backends", nargs="+", default=["llguidance", "xgrammar"])
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--corpus-schemas", type=int, default=500)
+    p.add_argument("--tokenizer", default=None, help="a tokenizer folder (default: the default model's)")
     args = p.parse_args()
 
     from transformers import AutoTokenizer
 
     from gramserve.model.loader import default_tokenizer_dir
 
-    tok = AutoTokenizer.from_pretrained(default_tokenizer_dir())
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or default_tokenizer_dir())
     backends = {n: create_backend(n, tok, len(tok), [tok.eos_token_id], GrammarOptions()) for n in args.backends}
     print(f"Machine: {json.dumps(machine_info())}\nCommand: `python {' '.join(sys.argv)}`\n")
     print("| grammar | " + " | ".join(f"{n} compile ms / fill us p50 / p99 / max" for n in args.backends) + " |")

@@ -50,7 +50,8 @@ def run_extract(ns: argparse.Namespace, args: ServerArgs) -> int:
     if ns.summary_json:
         with open(ns.summary_json, "w") as f:
             json.dump(summary.to_dict(), f, indent=2)
-    return 0 if summary.invalid == 0 else 1
+    nothing_extracted = summary.done == 0 and summary.failed > 0
+    return 1 if summary.invalid or nothing_extracted else 0
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -276,6 +276,9 @@ def test_top_logprobs_of_constrained_outputs_list_only_allowed_tokens(base_url, 
             content = [c for lp in lps for c in lp.get("content") or []]
         else:
             content = r.json()["choices"][0]["logprobs"]["content"]
+            # The EOS that ended the answer is not part of it: neither its text nor its logprob (as OpenAI).
+            assert r.json()["choices"][0]["finish_reason"] == "stop"
+            assert "".join(c["token"] for c in content) == r.json()["choices"][0]["message"]["content"]
         assert content
         for entry in content:
             assert entry["top_logprobs"] and all(t["logprob"] is not None for t in entry["top_logprobs"]), entry
