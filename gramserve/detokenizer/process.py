@@ -86,9 +86,6 @@ class DetokenizerManager:
                 and new_ids[-1] == sched_finish.matched
             ):
                 text_ids = new_ids[:-1]  # the EOS / stop token ends the answer; its text is not part of it
-                lps = batch.logprobs[i]
-                if lps and lps[-1].token_id == sched_finish.matched:
-                    batch.logprobs[i] = lps[:-1]  # nor its logprob (OpenAI lists the answer's tokens only)
             delta = state.stop_filter.push(state.decoder.decode(text_ids, finish=sched_finish is not None))
             finished = sched_finish
             if state.stop_filter.matched is not None:

@@ -338,8 +338,7 @@ class OpenAIServing:
         repeated = [False] * req.n
         async for i, out in self._chat_requests(setup, req, rid, is_disconnected, whole=True):
             texts[i] += out.text
-            if out.logprobs:
-                lps[i] += out.logprobs
+            lps[i] += out.answer_logprobs
             finals[i] = out
             if watchers is not None and out.text:
                 watchers[i].feed(out.text)
@@ -404,12 +403,12 @@ class OpenAIServing:
                         fields.reasoning_content += tail.reasoning_content
                         fields.content += tail.content
                         fields.tool_calls += tail.tool_calls
-                    if not fields and base_reason is None and not out.logprobs:
+                    if not fields and base_reason is None and not out.answer_logprobs:
                         continue
                     choice = P.ChatStreamChoice(
                         index=i,
                         delta=fields.message(),
-                        logprobs=P.ChatLogprobs(content=self._chat_logprobs(out.logprobs or []))
+                        logprobs=P.ChatLogprobs(content=self._chat_logprobs(out.answer_logprobs))
                         if top is not None
                         else None,
                         finish_reason=finish_reason(base_reason, setup.tools, cs.calls_made > 0),
@@ -496,7 +495,7 @@ class OpenAIServing:
                 lora=setup.lora,
             ):
                 texts[i] += out.text
-                lps[i] += out.logprobs or []
+                lps[i] += out.answer_logprobs
                 finals[i] = out
             return texts, lps, finals
 
@@ -574,7 +573,7 @@ class OpenAIServing:
                         continue
                     lp = None
                     if req.logprobs is not None:
-                        lp = self._completion_logprobs(out.logprobs or [], offsets[index])
+                        lp = self._completion_logprobs(out.answer_logprobs, offsets[index])
                     offsets[index] += len(out.text)
                     yield P.CompletionResponse(
                         id=rid,

@@ -96,6 +96,14 @@ class GenerateOutput:
     def matched_stop(self) -> int | str | None:
         return self.finished.matched if self.finished is not None else None
 
+    @property
+    def answer_logprobs(self) -> list[TokenLogprob]:
+        """The logprobs of the answer's tokens: without the EOS / stop token that ended it (its text is not part of
+        the answer either; OpenAI lists neither). /generate keeps it, beside `output_ids`."""
+        lps = self.logprobs or []
+        stop = self.matched_stop
+        return lps[:-1] if lps and isinstance(stop, int) and lps[-1].token_id == stop else lps
+
 
 def _image_processor(config: ServerConfig, tokenizer, vocab_size: int) -> tuple[ImageProcessor | None, ImageLimits]:
     """The model's image processor (None for a text model) and the operator's image limits."""
