@@ -294,6 +294,26 @@ def test_top_logprobs_of_constrained_outputs_list_only_allowed_tokens(base_url, 
     assert r.status_code == 200, r.text
 
 
+def test_logprob_bytes_of_tokens_holding_part_of_a_character(base_url, model_name):
+    """A token may hold part of a character: its `bytes` are its own (an emoji's first bytes), not the replacement
+    character's, so the bytes of the answer's tokens joined are the answer (OpenAI's reason to list them)."""
+    body = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "Party!"}],
+        "max_tokens": 10,
+        "guided_choice": ["\U0001f389\U0001f600 caf\u00e9"],
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    r = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert any(c["token"] == "\ufffd" for c in content), "the emoji should take tokens of partial characters"
+    assert bytes(b for c in content for b in c["bytes"]).decode() == choice["message"]["content"]
+    assert choice["message"]["content"] == "\U0001f389\U0001f600 caf\u00e9"
+
+
 def test_schema_limits(base_url, model_name):
     deep: dict = {"type": "string"}
     for _ in range(100):

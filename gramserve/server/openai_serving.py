@@ -209,9 +209,9 @@ class OpenAIServing:
                 P.ChatLogprobToken(
                     token=tok,
                     logprob=lp.logprob,
-                    bytes=list(tok.encode("utf-8")),
+                    bytes=self.tm.token_bytes(lp.token_id),
                     top_logprobs=[
-                        P.TopLogprob(token=(t := self.tm.token_text(i)), logprob=v, bytes=list(t.encode()))
+                        P.TopLogprob(token=self.tm.token_text(i), logprob=v, bytes=self.tm.token_bytes(i))
                         for i, v in lp.top
                     ],
                 )

@@ -22,6 +22,7 @@ import zmq
 import zmq.asyncio
 
 from gramserve.config import ServerConfig
+from gramserve.grammar.backends import vocab_bytes
 from gramserve.ipc import SCHEDULER_IN, TOKENIZER_MANAGER_IN, pull_socket, push_socket
 from gramserve.messages import (
     AbortReq,
@@ -296,6 +297,17 @@ class TokenizerManager:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    @functools.cached_property
+    def _token_bytes(self) -> tuple[bytes | None, ...]:
+        return vocab_bytes(self.tokenizer).tokens
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The bytes a token stands for, as OpenAI's logprobs list them: a token holding part of a character (an
+        emoji's first bytes) has its own bytes, where its text is the replacement character."""
+        table = self._token_bytes
+        raw = table[token_id] if 0 <= token_id < len(table) else None
+        return list(raw if raw is not None else self.token_text(token_id).encode())
 
     # --- generation -----------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ Backend modules are imported lazily, so a missing optional library only breaks i
 
 from __future__ import annotations
 
+from ._vocab import vocab_bytes
 from .base import (
     GRAMMAR_KINDS,
     GrammarBackend,
@@ -68,4 +69,5 @@ __all__ = [
     "Matcher",
     "backend_class",
     "create_backend",
+    "vocab_bytes",
 ]
