@@ -106,6 +106,28 @@ def test_parallel_tool_calls_false_gives_one_call(client, model_name):
     check_call(choice.message.tool_calls[0].function.name, choice.message.tool_calls[0].function.arguments)
 
 
+def test_stop_strings_end_the_text_answer_never_a_call(client, model_name):
+    """OpenAI's `stop` ends the text answer; a call's markers and arguments are not cut by it (agent frameworks pass
+    stop strings such as "\\n"). Before, a forced call came back as content "<tool_call>" with finish_reason stop."""
+    one = dict(model=model_name, messages=ASK, tools=TOOLS, parallel_tool_calls=False, max_tokens=80, temperature=0)
+    # "<" (44) made likelier: the model opens a call in auto mode too.
+    for extra in ({"tool_choice": "required"}, {"tool_choice": "auto", "logit_bias": {"44": 5}}):
+        for stop in (["\n"], "}"):
+            r = client.chat.completions.create(**one, **extra, stop=stop)
+            choice = r.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None, (extra, stop, choice)
+            check_call(choice.message.tool_calls[0].function.name, choice.message.tool_calls[0].function.arguments)
+    chunks = list(client.chat.completions.create(**one, tool_choice="required", stop=["\n"], stream=True))
+    calls = [tc for ch in chunks for c in ch.choices for tc in c.delta.tool_calls or []]
+    assert not any(c.delta.content for ch in chunks for c in ch.choices)
+    assert calls and chunks[-1].choices[0].finish_reason == "tool_calls"
+    check_call(calls[0].function.name, "".join(tc.function.arguments or "" for tc in calls))
+    # A text answer is still cut at the stop string.
+    r = client.chat.completions.create(**one, tool_choice="auto", stop=[" "])
+    assert r.choices[0].finish_reason == "stop" and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.content and " " not in r.choices[0].message.content
+
+
 def test_auto_calls_that_start_are_valid(client, model_name):
     # A history of earlier calls makes the small model open a call; whatever it opens must be valid.
     history = [

@@ -102,7 +102,8 @@ class StopStringFilter:
         if self.matched is not None:
             return ""
         if not self.stop_strs:
-            return text
+            out, self._held = self._held + text, ""
+            return out
         buf = self._held + text
         # Any occurrence must start inside buf: a prefix of it ending earlier would have been held.
         best: tuple[int, int, str] | None = None  # (end, -len, stop)
@@ -118,6 +119,10 @@ class StopStringFilter:
         hold = self._partial_match_len(buf)
         self._held = buf[len(buf) - hold :]
         return buf[: len(buf) - hold]
+
+    def turn_off(self) -> None:
+        """Stop matching: from the next push on, held-back text and new text pass unchanged."""
+        self.stop_strs = ()
 
     def flush(self) -> str:
         """Release held-back text at the end of the stream (nothing after a match)."""

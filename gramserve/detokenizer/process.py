@@ -77,6 +77,8 @@ class DetokenizerManager:
                     ),
                 )
                 self.states[rid] = state
+            if state.stop_filter.stop_strs and not batch.stop_strs[i]:
+                state.stop_filter.turn_off()  # the scheduler's stop strings went off: a tool call began
             new_ids = batch.new_token_ids[i]
             text_ids = new_ids
             if (

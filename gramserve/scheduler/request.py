@@ -44,6 +44,7 @@ class Req:
         self.grammar_started = msg.grammar is not None and not msg.grammar.start_after
         max_stop = max((len(s) for s in self.params.stop), default=0)
         self._stop_tail_tokens = max_stop + 2
+        self.stops_live = bool(self.params.stop)  # off once a `stop_until` marker appeared (a tool call began)
         # Sampled by one argmax with no per-request work at every step (no EOS ban before min_tokens, no logprobs):
         # the sampler's fast path (`Sampler.launch_greedy`).
         self.plain_greedy = self.params.raw_argmax and self.params.min_new_tokens == 0 and not self.return_logprob
@@ -87,14 +88,27 @@ class Req:
             tail = tokenizer.decode(self.output_ids[-len(marker) :], skip_special_tokens=False)
             self.grammar_started = marker in tail
         past_min = n >= self.params.min_new_tokens
+        if self.stops_live and self.params.stop_until:
+            self._check_stop_until(tokenizer)
         if past_min and (token in self.eos_ids or token in self.stop_token_ids):
             self.finished = FinishReason("stop", matched=token)
         elif token in self.grammar_eos_ids and self.grammar_started:
             self.finished = FinishReason("stop", matched=token)
-        elif past_min and self.params.stop and self._tail_has_stop_string(tokenizer):
+        elif past_min and self.stops_live and self._tail_has_stop_string(tokenizer):
             return  # finished set by the check
         elif n >= self.max_new_tokens or self.prompt_len + n >= context_length:
             self.finished = FinishReason("length")
+
+    @property
+    def live_stop_strs(self) -> tuple[str, ...]:
+        """The stop strings that apply to the text from now on (the detokenizer follows)."""
+        return self.params.stop if self.stops_live else ()
+
+    def _check_stop_until(self, tokenizer) -> None:
+        markers = self.params.stop_until
+        tail = tokenizer.decode(self.output_ids[-max(len(m) for m in markers) :], skip_special_tokens=False)
+        if any(m in tail for m in markers):
+            self.stops_live = False
 
     def _tail_has_stop_string(self, tokenizer) -> bool:
         # Each token decodes to at least one character or byte, so this many tokens cover any stop string.

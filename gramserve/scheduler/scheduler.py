@@ -461,7 +461,7 @@ class Scheduler:
             completion_tokens=[len(r.output_ids) for r in reqs],
             cached_tokens=[r.cached_tokens for r in reqs],
             logprobs=[r.pending_logprobs if r.return_logprob else None for r in reqs],
-            stop_strs=[r.params.stop for r in reqs],
+            stop_strs=[r.live_stop_strs for r in reqs],
             include_stop_strs=[r.params.include_stop_str for r in reqs],
             skip_special_tokens=[r.params.skip_special_tokens for r in reqs],
             grammar_backends=[r.grammar_backend for r in reqs],

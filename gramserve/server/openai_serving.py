@@ -34,6 +34,7 @@ from gramserve.server.structured_outputs import checked_backend, grammar_from_fi
 from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 from gramserve.server.tool_requests import (
     ToolPlan,
+    call_markers,
     plan_tools,
     render_messages,
     template_supports_tools,
@@ -243,6 +244,11 @@ class OpenAIServing:
                     "tool_choice",
                 )
             # tool_choice auto plus response_format: the response format constrains; calls are still parsed.
+            if params.stop:  # stop strings end the text answer, never a call (OpenAI)
+                if plan.mode in ("required", "named"):  # the output is calls only
+                    params = replace(params, stop=())
+                else:
+                    params = replace(params, stop_until=call_markers(plan))
         kwargs = dict(req.chat_template_kwargs or {})
         if "chat_template" in kwargs and not self.args.allow_request_chat_template:
             raise InvalidRequestError(

@@ -94,6 +94,12 @@ def tool_grammar(plan: ToolPlan, args: ServerArgs, backend: str) -> GrammarReque
     return GrammarRequest(kind="structural_tag", text=_structural_tag_text(tag, args, "tools"), backend=backend)
 
 
+def call_markers(plan: ToolPlan) -> tuple[str, ...]:
+    """The texts that begin a call in the plan's format: the triggers of its `auto` grammar."""
+    fmt = plan.new_parser().structural_tag("auto", plan.parallel)["format"]
+    return tuple(t for t in fmt.get("triggers", ()) if t)
+
+
 def template_supports_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template
 
