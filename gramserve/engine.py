@@ -184,7 +184,7 @@ class Engine:
             raise InvalidRequestError("give exactly one of prompt and input_ids", "prompt")
         body = {"text": prompt} if prompt is not None else {"input_ids": input_ids}
         body |= {"sampling_params": sampling_params or {}, "stream": stream, **options}
-        return split_generate(_validated(P.GenerateRequest, body), self.args.max_n)
+        return split_generate(_validated(P.GenerateRequest, body), self.args.max_n, self.args.max_queued_requests)
 
     # --- chat and completions (OpenAI's) -----------------------------------------------------------------
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
 import openai
@@ -466,6 +468,29 @@ def test_native_duplicate_rid_and_abort_request(base_url):
         assert r.status_code == 400 and r.json()["error"]["param"] == "rid", r.text
     r = httpx.post(base_url + "/abort_request", timeout=10)  # no body
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert wait_pool_whole(base_url)["used_slots"] == 0
+
+
+def test_abort_request_by_a_rid_the_requests_split_from_it(base_url):
+    """n > 1 and batches run as several requests (rid-0, rid-1, ...): /abort_request with the client's rid aborts
+    them all (before, nothing: they ran to max_new_tokens). A batch the waiting queue could never hold is a 400."""
+    sampling = {"max_new_tokens": 2000, "n": 2, "ignore_eos": True}
+    body = {"rid": "split-rid", "text": "Count:", "sampling_params": sampling}
+
+    def abort_soon():
+        time.sleep(1.0)
+        httpx.post(base_url + "/abort_request", json={"rid": "split-rid"}, timeout=10)
+
+    aborter = threading.Thread(target=abort_soon)
+    aborter.start()
+    r = httpx.post(base_url + "/generate", json=body, timeout=120)
+    aborter.join()
+    assert r.status_code == 200, r.text
+    assert [x["meta_info"]["finish_reason"]["type"] for x in r.json()] == ["abort", "abort"]
+    assert all(x["meta_info"]["completion_tokens"] < 2000 for x in r.json())
+    many = {"text": ["a"] * 17, "sampling_params": {"max_new_tokens": 1, "n": 128}}
+    r = httpx.post(base_url + "/generate", json=many, timeout=60)
+    assert r.status_code == 400 and "waiting queue" in r.json()["error"]["message"], r.text
     assert wait_pool_whole(base_url)["used_slots"] == 0
 
 

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -22,17 +25,34 @@ def native_router(args: ServerArgs, tm: TokenizerManager) -> APIRouter:
 
     @router.post("/generate")
     async def generate(request: Request):
-        reqs, many = split_generate(await parse_body(request, P.GenerateRequest), args.max_n)
+        req = await parse_body(request, P.GenerateRequest)
+        reqs, many = split_generate(req, args.max_n, args.max_queued_requests)
         watch = request.is_disconnected
         if reqs[0].stream:
             if many:
                 payloads = await serving.generate_many_stream(reqs, watch)
             else:
                 payloads = await serving.generate_stream(reqs[0], watch)
-            return StreamingResponse(sse_stream(payloads), media_type="text/event-stream")
-        if many:
-            return JSONResponse(await serving.generate_many(reqs, watch))
-        return JSONResponse(await serving.generate(reqs[0], watch))
+            return StreamingResponse(_in_group(req, reqs, sse_stream(payloads)), media_type="text/event-stream")
+        with _group(req, reqs):
+            if many:
+                return JSONResponse(await serving.generate_many(reqs, watch))
+            return JSONResponse(await serving.generate(reqs[0], watch))
+
+    def _group(req: P.GenerateRequest, reqs: list[P.GenerateRequest]) -> contextlib.ExitStack:
+        """/abort_request with a rid the client gave aborts every request split from it (n > 1, a batch)."""
+        stack = contextlib.ExitStack()
+        given = [req.rid] if isinstance(req.rid, str) else req.rid or []
+        for rid in given:
+            members = [r.rid for r in reqs if r.rid.startswith(rid + "-")]
+            if members:
+                stack.enter_context(tm.rid_group(rid, members))
+        return stack
+
+    async def _in_group(req, reqs, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        with _group(req, reqs):
+            async for chunk in stream:
+                yield chunk
 
     @router.post("/abort_request")
     async def abort_request(request: Request):

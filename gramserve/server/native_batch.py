@@ -14,9 +14,12 @@ from gramserve.server.errors import InvalidRequestError
 _SEED_KEYS = ("sampling_seed", "seed")  # SGLang's name wins (native_sampling_params)
 
 
-def split_generate(req: P.GenerateRequest, max_n: int) -> tuple[list[P.GenerateRequest], bool]:
+def split_generate(
+    req: P.GenerateRequest, max_n: int, max_requests: int | None = None
+) -> tuple[list[P.GenerateRequest], bool]:
     """The single requests of `req` (each with one prompt, one sampling_params dict and a rid), and whether the
-    answer is a list (a batch of prompts, or n > 1)."""
+    answer is a list (a batch of prompts, or n > 1). More than `max_requests` of them (what the waiting queue
+    holds) is a 400: such a request could never be queued whole."""
     if (req.text is None) == (req.input_ids is None):
         raise InvalidRequestError("give exactly one of text or input_ids", "text")
     key = "text" if req.text is not None else "input_ids"
@@ -58,6 +61,12 @@ def split_generate(req: P.GenerateRequest, max_n: int) -> tuple[list[P.GenerateR
                 one[seed_key] = choice_seed(sampling[seed_key], j)  # n samples differ, reproducibly
             rid = f"{base}-{j}" if n > 1 else base
             out.append(req.model_copy(update={key: prompt, "sampling_params": one, "rid": rid}))
+    if max_requests is not None and len(out) > max_requests:
+        raise InvalidRequestError(
+            f"{len(prompts)} prompt(s) x n make {len(out)} requests, more than the {max_requests} the waiting queue "
+            "holds (--max-queued-requests): split the batch",
+            key,
+        )
     if len({r.rid for r in out}) != len(out):
         raise InvalidRequestError("the batch's rids must differ (with n > 1 each gets -0, -1, ...)", "rid")
     return out, many

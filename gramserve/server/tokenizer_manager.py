@@ -10,13 +10,14 @@ it is given: the routes check them first (sampling_request.py, request_checks.py
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
 
 import zmq
 import zmq.asyncio
@@ -203,6 +204,7 @@ class TokenizerManager:
         self.check_retries = config.args.grammar_check_retries
         self.request_timeout = config.args.request_timeout
         self._retry_of: dict[str, str] = {}  # a request's rid -> the rid of its retry now running (for abort)
+        self.rid_groups: dict[str, list[str]] = {}  # a client's rid -> the rids of the requests split from it
         self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="prep")
         # A text holds at least len(text) / (longest token's length) tokens: past this it cannot fit the context.
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
@@ -502,11 +504,24 @@ class TokenizerManager:
         return replace(out, finished=FinishReason("invalid_output", message=result.error))
 
     async def abort(self, rid: str) -> bool:
-        rid = self._retry_of.get(rid, rid)
-        if rid not in self.states:
-            return False
-        self.to_scheduler.send_pyobj(AbortReq(rid))
-        return True
+        """Abort a request by its rid, or every request of a group (a /generate batch or n > 1) by the group's."""
+        found = False
+        for one in (rid, *self.rid_groups.get(rid, ())):
+            one = self._retry_of.get(one, one)
+            if one in self.states:
+                self.to_scheduler.send_pyobj(AbortReq(one))
+                found = True
+        return found
+
+    @contextlib.contextmanager
+    def rid_group(self, rid: str, members: list[str]) -> Iterator[None]:
+        """While the block runs, an abort of `rid` aborts every member (requests split from one client request)."""
+        self.rid_groups[rid] = members
+        try:
+            yield
+        finally:
+            if self.rid_groups.get(rid) is members:
+                del self.rid_groups[rid]
 
     async def control(self, kind: str, args: dict | None = None, timeout: float = 10.0) -> dict:
         self.start()
