@@ -288,6 +288,10 @@ def test_bad_adapters_get_clear_errors(lora_server, adapter_dirs, tmp_path):
     def embedding(w):
         return {**w, "base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(8, 10)}
 
+    def one_nan(w):  # accepted before: its logits were NaN, and a request with logprobs got a 500
+        name = next(k for k in w if "lora_A" in k)
+        return {**w, name: torch.where(torch.arange(w[name].numel()).view_as(w[name]) == 5, float("nan"), w[name])}
+
     cases = {
         "missing path": (str(tmp_path / "nowhere"), 400, "does not exist"),
         "not a folder": (os.path.join(a, "adapter_config.json"), 400, "not a folder"),
@@ -295,6 +299,7 @@ def test_bad_adapters_get_clear_errors(lora_server, adapter_dirs, tmp_path):
         "rank above limit": (_write_adapter(a, str(tmp_path / "r64"), tensors=rank_64), 400, "--max-lora-rank 32"),
         "DoRA": (_write_adapter(a, str(tmp_path / "dora"), {"use_dora": True}), 400, "use_dora"),
         "embedding": (_write_adapter(a, str(tmp_path / "emb"), tensors=embedding), 400, "unsupported tensor"),
+        "a NaN weight": (_write_adapter(a, str(tmp_path / "nan"), tensors=one_nan), 400, "NaN or infinite"),
     }
     for case, (path, status, words) in cases.items():
         r = httpx.post(url + "/load_lora_adapter", json={"lora_name": f"bad-{case}", "lora_path": path}, timeout=120)

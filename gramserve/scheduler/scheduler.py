@@ -16,6 +16,7 @@ masks while the scheduler launches the next forward and does its own bookkeeping
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ from gramserve.scheduler.memory import ReqToTokenPool, TokenSlotAllocator
 from gramserve.scheduler.radix_cache import RadixCache
 from gramserve.scheduler.request import Req
 from gramserve.scheduler.stats import StepPhases, server_info_report, zero_counters
+
+LOGPROB_FLOOR = -9999.0  # a token's logprob when the model's was NaN or -inf (OpenAI's floor)
 
 
 @dataclass
@@ -431,7 +434,10 @@ class Scheduler:
             req.append_token(tok, tokenizer, context_length)
             if req.return_logprob:
                 top = result.top_logprobs[i][: req.top_logprobs] if result.top_logprobs else []
-                req.pending_logprobs.append(TokenLogprob(tok, result.logprobs[i], top))
+                lp = result.logprobs[i]
+                if not math.isfinite(lp):  # NaN logits (a broken adapter or model): JSON has no NaN or inf
+                    lp, top = LOGPROB_FLOOR, [(t, v) for t, v in top if math.isfinite(v)]
+                req.pending_logprobs.append(TokenLogprob(tok, lp, top))
             if req.finished is not None and req.req_pool_idx is None and req in self.admission.waiting:
                 self.admission.waiting.remove(req)  # retracted while its last token was in flight
             got.append(req)

@@ -215,9 +215,11 @@ def load_adapter(
                 f"the adapter's rank {rank} (layer {layer} {module}) is above this server's --max-lora-rank {max_rank}"
             )
         scaling = config.scaling(module_path(layer, module), rank)
-        weights[(layer, module)] = (
-            a.to(dtype).contiguous(),
-            (b.float() * scaling).to(dtype).contiguous(),
-        )
+        a, b = a.to(dtype).contiguous(), (b.float() * scaling).to(dtype).contiguous()
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise LoRAAdapterError(
+                f"layer {layer} {module}: the adapter's weights hold NaN or infinite values (once scaled, in {dtype})"
+            )
+        weights[(layer, module)] = (a, b)
         top_rank = max(top_rank, rank)
     return LoRAAdapter(path=path, rank=top_rank, weights=weights)
