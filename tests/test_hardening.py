@@ -62,7 +62,9 @@ def _assert_openai_error(r: httpx.Response, status: int, param: str | None = Non
 
 
 def _healthy(base_url: str) -> bool:
-    return httpx.get(base_url + "/health", timeout=10).status_code == 200
+    return (
+        httpx.get(base_url + "/health", timeout=10).status_code == 200 == httpx.head(base_url + "/health").status_code
+    )
 
 
 @pytest.mark.parametrize("path,body,status,param", HOSTILE, ids=[f"{p}-{i}" for i, (p, *_) in enumerate(HOSTILE)])

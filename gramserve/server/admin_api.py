@@ -35,7 +35,7 @@ def public_config(config: ServerConfig) -> dict:
 def admin_router(config: ServerConfig, tm: TokenizerManager) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/health")
+    @router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health():
         problem = tm.health.problem() if tm.health is not None else None
         if problem is not None:
