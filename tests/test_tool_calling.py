@@ -128,6 +128,32 @@ def test_stop_strings_end_the_text_answer_never_a_call(client, model_name):
     assert r.choices[0].message.content and " " not in r.choices[0].message.content
 
 
+def test_auto_with_a_response_format_calls_tools_or_answers_in_the_format(client, model_name):
+    """tool_choice auto plus a JSON response format (agent frameworks send both): the model may call the tools, and
+    an answer without calls follows the format. Before, the format held the whole output and no call could start."""
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string", "maxLength": 30}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    one = dict(model=model_name, messages=ASK, tools=TOOLS, max_tokens=80, response_format=rf)
+    r = client.chat.completions.create(**one, temperature=1.0, n=6, seed=1)
+    for choice in r.choices:
+        if choice.message.tool_calls:
+            assert choice.message.content is None and choice.finish_reason in ("tool_calls", "length")
+            for call in choice.message.tool_calls:
+                check_call(call.function.name, call.function.arguments)
+        elif choice.finish_reason == "stop":
+            jsonschema.validate(json.loads(choice.message.content), schema)
+    assert any(c.message.tool_calls for c in r.choices)
+    # No call can start ("<" banned): the answer is in the format.
+    r = client.chat.completions.create(**one, temperature=0, logit_bias={"44": -100})
+    assert not r.choices[0].message.tool_calls and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
 def test_auto_calls_that_start_are_valid(client, model_name):
     # A history of earlier calls makes the small model open a call; whatever it opens must be valid.
     history = [

@@ -35,6 +35,7 @@ from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 from gramserve.server.tool_requests import (
     ToolPlan,
     call_markers,
+    calls_or_answer_grammar,
     plan_tools,
     render_messages,
     template_supports_tools,
@@ -243,7 +244,10 @@ class OpenAIServing:
                     "another output constraint (response_format, regex, ...)",
                     "tool_choice",
                 )
-            # tool_choice auto plus response_format: the response format constrains; calls are still parsed.
+            elif (either := calls_or_answer_grammar(plan, grammar, self.args)) is not None:
+                # auto plus a JSON response format: calls, or a text answer in the format
+                plan, grammar, grammar_is_tools = replace(plan, answer=grammar), either, True
+            # auto plus another constraint (regex, a grammar): it constrains the whole output; calls are parsed.
             if params.stop:  # stop strings end the text answer, never a call (OpenAI)
                 if plan.mode in ("required", "named"):  # the output is calls only
                     params = replace(params, stop=())

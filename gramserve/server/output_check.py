@@ -209,10 +209,14 @@ class OutputChecker:
         return self._check_json(target.kind, target.text, text)
 
     def _check_calls(self, plan: ToolPlan, text: str) -> CheckResult:
-        """Each call the response would return (up to a repeat, as chat_output does), against its tool's schema."""
+        """Each call the response would return (up to a repeat, as chat_output does), against its tool's schema;
+        an answer without calls against the response format it must follow, if any."""
         tools = {t.name: t for t in plan.tools}
+        parsed = plan.new_parser().parse(text)
+        if not parsed.calls and plan.answer is not None:
+            return self._check_json(plan.answer.kind, plan.answer.text, parsed.content or "")
         checked = True
-        for call in first_calls_until_repeat(plan.new_parser().parse(text).calls):
+        for call in first_calls_until_repeat(parsed.calls):
             tool = tools.get(call.name)
             if tool is None:
                 return CheckResult(True, f"the output calls {call.name!r}, which is not among the tools")

@@ -38,6 +38,8 @@ class ToolPlan:
     function: str | None  # the forced function when mode == "named"
     parallel: bool
     parser_cls: type[ToolCallParser]
+    # `auto` with a JSON response format: the text answer (an output without calls) follows this constraint
+    answer: GrammarRequest | None = None
 
     @property
     def parses_calls(self) -> bool:
@@ -92,6 +94,21 @@ def tool_grammar(plan: ToolPlan, args: ServerArgs, backend: str) -> GrammarReque
     tag = parser.structural_tag("named" if plan.mode == "named" else plan.mode, plan.parallel, plan.function)
     tag = bound_calls(tag, args.max_parallel_tool_calls)
     return GrammarRequest(kind="structural_tag", text=_structural_tag_text(tag, args, "tools"), backend=backend)
+
+
+def calls_or_answer_grammar(plan: ToolPlan, answer: GrammarRequest, args: ServerArgs) -> GrammarRequest | None:
+    """tool_choice auto with a JSON response format (OpenAI: the model may call tools, and its text answer follows
+    the format): calls, as `required` shapes them, or the answer. None for constraints other than JSON."""
+    if answer.kind == "json_schema":
+        answer_format = {"type": "json_schema", "json_schema": json.loads(answer.text)}
+    elif answer.kind == "json_object":
+        answer_format = {"type": "json_schema", "json_schema": {"type": "object"}}
+    else:
+        return None
+    calls = plan.new_parser().structural_tag("required", plan.parallel)
+    calls = bound_calls(calls, args.max_parallel_tool_calls)["format"]
+    tag = {"type": "structural_tag", "format": {"type": "or", "elements": [answer_format, calls]}}
+    return GrammarRequest(kind="structural_tag", text=_structural_tag_text(tag, args, "tools"), backend=answer.backend)
 
 
 def call_markers(plan: ToolPlan) -> tuple[str, ...]:
