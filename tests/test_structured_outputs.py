@@ -312,6 +312,15 @@ def test_logprob_bytes_of_tokens_holding_part_of_a_character(base_url, model_nam
     assert any(c["token"] == "\ufffd" for c in content), "the emoji should take tokens of partial characters"
     assert bytes(b for c in content for b in c["bytes"]).decode() == choice["message"]["content"]
     assert choice["message"]["content"] == "\U0001f389\U0001f600 caf\u00e9"
+    # The completions API: such tokens are written bytes:\\xNN..., and each text_offset is where its character starts.
+    body = {"model": model_name, "prompt": "Party!", "max_tokens": 10, "guided_choice": body["guided_choice"]}
+    r = httpx.post(base_url + "/v1/completions", json={**body, "logprobs": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    text, lp = r.json()["choices"][0]["text"], r.json()["choices"][0]["logprobs"]
+    assert text == "\U0001f389\U0001f600 caf\u00e9"
+    assert any(t.startswith("bytes:\\x") for t in lp["tokens"]) and "\ufffd" not in "".join(lp["tokens"])
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(text), offsets
 
 
 def test_schema_limits(base_url, model_name):

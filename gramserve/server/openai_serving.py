@@ -7,6 +7,7 @@ choice index.
 from __future__ import annotations
 
 import asyncio
+import codecs
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Callable
 
@@ -473,15 +474,26 @@ class OpenAIServing:
         return CompletionSetup(prompts, params, grammar, lora)
 
     def _completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> P.CompletionLogprobs:
+        """`text_offset` counts the characters of the text before each token: a token holding part of a character
+        starts where that character does. A token that is not whole characters is written `bytes:\\xNN...`
+        (OpenAI's form)."""
         out = P.CompletionLogprobs()
+        chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
         for lp in lps:
-            tok = self.tm.token_text(lp.token_id)
-            out.tokens.append(tok)
+            out.tokens.append(self._token_label(lp.token_id))
             out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({self.tm.token_text(i): v for i, v in lp.top})
+            out.top_logprobs.append({self._token_label(i): v for i, v in lp.top})
             out.text_offset.append(offset)
-            offset += len(tok)
+            offset += len(chars.decode(bytes(self.tm.token_bytes(lp.token_id))))
         return out
+
+    def _token_label(self, token_id: int) -> str:
+        raw = bytes(self.tm.token_bytes(token_id))
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return self.tm.token_text(token_id)
 
     async def completions(self, req: P.CompletionRequest, is_disconnected) -> P.CompletionResponse:
         setup = await self._prepare(self._completion_setup, req)
