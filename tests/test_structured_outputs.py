@@ -292,6 +292,13 @@ def test_top_logprobs_of_constrained_outputs_list_only_allowed_tokens(base_url, 
     native = {"text": "hi", "sampling_params": {"max_new_tokens": 5, "choice": choice}, "return_logprob": True}
     r = httpx.post(base_url + "/generate", json={**native, "top_logprobs_num": 3}, timeout=60)
     assert r.status_code == 200, r.text
+    # SGLang's return_text_in_logprobs: [logprob, id, text]; prompt logprobs are not served (a 400, not ignored)
+    r = httpx.post(base_url + "/generate", json={**native, "top_logprobs_num": 2, "return_text_in_logprobs": True})
+    meta = r.json()["meta_info"]
+    assert "".join(e[2] for e in meta["output_token_logprobs"]).startswith(r.json()["text"]), meta
+    assert all(len(e) == 3 for top in meta["output_top_logprobs"] for e in top)
+    r = httpx.post(base_url + "/generate", json={**native, "logprob_start_len": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_start_len", r.text
 
 
 def test_logprob_bytes_of_tokens_holding_part_of_a_character(base_url, model_name):

@@ -46,7 +46,14 @@ class NativeSetup:
     grammar: GrammarRequest | None
 
 
-def payload(req: P.GenerateRequest, text: str, ids: list[int], out: GenerateOutput, lps: list[TokenLogprob]) -> dict:
+def payload(
+    req: P.GenerateRequest,
+    text: str,
+    ids: list[int],
+    out: GenerateOutput,
+    lps: list[TokenLogprob],
+    token_text: Callable[[int], str],
+) -> dict:
     meta = {
         "id": req.rid,  # the client's rid, or the one native_batch gave it
         "finish_reason": out.finished.to_json() if out.finished else None,
@@ -55,7 +62,10 @@ def payload(req: P.GenerateRequest, text: str, ids: list[int], out: GenerateOutp
         "cached_tokens": out.cached_tokens,
         "grammar_backend": out.grammar_backend,
     }
-    if req.return_logprob:
+    if req.return_logprob and req.return_text_in_logprobs:  # SGLang's [logprob, id, text]
+        meta["output_token_logprobs"] = [[lp.logprob, lp.token_id, token_text(lp.token_id)] for lp in lps]
+        meta["output_top_logprobs"] = [[[v, i, token_text(i)] for i, v in lp.top] for lp in lps]
+    elif req.return_logprob:
         meta["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in lps]
         meta["output_top_logprobs"] = [[[v, i] for i, v in lp.top] for lp in lps]
     return {"text": text, "output_ids": ids, "meta_info": meta}
@@ -114,12 +124,12 @@ class NativeServing:
                 last = out
         finally:
             await gen.aclose()
-        return payload(req, text, ids, last, lps)
+        return payload(req, text, ids, last, lps, self.tm.token_text)
 
     async def generate_stream(self, req: P.GenerateRequest, is_disconnected=None) -> AsyncIterator[dict]:
         """Validates eagerly (errors raise before the first payload), then returns the payloads, each carrying the
         whole output so far, as SGLang's do."""
-        return _payloads(req, await self._outputs(req, is_disconnected, whole=False))
+        return _payloads(req, await self._outputs(req, is_disconnected, whole=False), self.tm.token_text)
 
     async def generate_many(self, reqs: list[P.GenerateRequest], is_disconnected=None) -> list[dict]:
         """The answers of single requests run at once (a batch), in their order; the first failure raises and the
@@ -133,7 +143,8 @@ class NativeServing:
 
         async def payloads() -> AsyncIterator[dict]:
             try:
-                async for index, item in interleave([_payloads(r, out) for r, out in zip(reqs, outputs)]):
+                streams = [_payloads(r, out, self.tm.token_text) for r, out in zip(reqs, outputs)]
+                async for index, item in interleave(streams):
                     yield {**item, "index": index}
             finally:
                 for out in outputs:
@@ -142,7 +153,9 @@ class NativeServing:
         return payloads()
 
 
-async def _payloads(req: P.GenerateRequest, outputs: AsyncIterator[GenerateOutput]) -> AsyncIterator[dict]:
+async def _payloads(
+    req: P.GenerateRequest, outputs: AsyncIterator[GenerateOutput], token_text: Callable[[int], str]
+) -> AsyncIterator[dict]:
     """A request's payloads, each with the whole output so far."""
     text, ids, lps = "", [], []
     try:
@@ -150,7 +163,7 @@ async def _payloads(req: P.GenerateRequest, outputs: AsyncIterator[GenerateOutpu
             text += out.text
             ids = ids + out.token_ids  # a new list each time: a payload handed out must not grow after
             lps = lps + (out.logprobs or [])
-            yield payload(req, text, ids, out, lps)
+            yield payload(req, text, ids, out, lps, token_text)
     finally:
         await outputs.aclose()
 

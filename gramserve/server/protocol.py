@@ -212,6 +212,8 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = Field(0, ge=0, le=MAX_NATIVE_TOP_LOGPROBS)
+    return_text_in_logprobs: bool = False  # each logprob entry [logprob, id] gets the token's text
+    logprob_start_len: int = -1  # SGLang's prompt logprobs from this position: not served (-1: none)
     rid: Optional[Union[_Rid, list[_Rid]]] = None
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     lora_path: Optional[str] = Field(None, min_length=1, max_length=256)  # a LoRA adapter's name

@@ -53,6 +53,10 @@ def check_completion_options(req: P.CompletionRequest) -> None:
 def check_native_prompt(req: P.GenerateRequest) -> None:
     if (req.text is None) == (req.input_ids is None):
         raise InvalidRequestError("give exactly one of text or input_ids", "text")
+    if req.return_logprob and req.logprob_start_len >= 0:
+        raise InvalidRequestError(
+            "logprobs of the prompt's tokens (logprob_start_len) are not served; only the output's", "logprob_start_len"
+        )
 
 
 def check_prompt(
