@@ -415,6 +415,9 @@ def test_history_with_tool_results(client, model_name):
         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, None),
         ({"tools": TOOLS, "grammar_backend": "nope"}, "grammar_backend"),
+        # OpenAI's deprecated form: a forced call must not be dropped silently (it answered in plain text)
+        ({"functions": [WEATHER["function"]], "function_call": {"name": "get_weather"}}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
         # a schema no backend can serve is the tools' fault, not response_format's
         (
             {

@@ -51,6 +51,13 @@ class ToolPlan:
 
 def plan_tools(req: P.ChatCompletionRequest, parser_name: str, args: ServerArgs) -> ToolPlan | None:
     """None when the request has no tools and no tool_choice."""
+    for legacy in ("functions", "function_call"):
+        if (req.model_extra or {}).get(legacy) is not None:  # a forced call must not be dropped silently
+            raise InvalidRequestError(
+                f"{legacy} is OpenAI's deprecated form of function calling and is not served: use tools and "
+                "tool_choice",
+                legacy,
+            )
     if not req.tools:
         choice = req.tool_choice
         if choice is None or choice == "none":
