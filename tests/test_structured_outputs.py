@@ -214,6 +214,18 @@ def _schema_body(schema: dict) -> dict:
         (_schema_body({"type": "integer", "minimum": 10**30, "maximum": 10**31}), "64-bit"),
         (_schema_body({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}), "itself"),
         (_schema_body({"type": "string", "enum": [1, 2]}), "no value satisfies"),
+        # three unique integers in 0..1: ran to max_tokens
+        (
+            _schema_body(
+                {
+                    "type": "array",
+                    "uniqueItems": True,
+                    "minItems": 3,
+                    "items": {"type": "integer", "minimum": 0, "maximum": 1},
+                }
+            ),
+            "3 unique items drawn from 2",
+        ),
         ({"ebnf": 'root ::= root "a"', "grammar_backend": "xgrammar"}, "allows no output"),  # was a 500
         ({"regex": r"[^\s\S]"}, "allows no output"),
     ],

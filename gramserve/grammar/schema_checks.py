@@ -11,6 +11,7 @@ that goes through and outputs that cannot validate (or cannot be checked).
   compiles those into a grammar that stops at its first token or allows nothing but the end.
 - Patterns (`pattern`, `patternProperties` names) that do not compile with the `regex` module, which the output
   check matches patterns with (UTF-16 surrogate pairs written as escapes read as the one character they make).
+- A necessary unique array with more `minItems` than its items have values (three unique integers in 0..1).
 - Integer ranges that lie wholly past 64 bits: the backends clamp integer bounds to 64 bits and would write a
   value outside the range.
 """
@@ -26,6 +27,7 @@ import regex
 from gramserve.grammar.backends.base import GrammarCompileError
 from gramserve.grammar.schema_audit import TYPE_CHECKS, schema_nodes
 from gramserve.grammar.schema_normalize import pointer_parts, resolve_ref
+from gramserve.grammar.unique_arrays import closed_set
 
 
 class SchemaProblem(GrammarCompileError):
@@ -74,6 +76,11 @@ def schema_problem(schema_text: str) -> str | None:
             which = "enum values" if "enum" in node else "const value"
             where = _pointer(path)
             return f"the JSON schema at {where} has no {which} of its type {node['type']!r}: no value satisfies it"
+        if (short := _unique_items_short(schema, node)) is not None:
+            return (
+                f"the JSON schema at {_pointer(path)} asks for at least {node['minItems']} unique items drawn from "
+                f"{short} possible values: no value satisfies it"
+            )
         if _refers_only_to_itself(schema, node):
             return (
                 f"the JSON schema at {_pointer(path)} only refers to itself ($ref {node['$ref'][:80]!r}, in a cycle of "
@@ -175,6 +182,21 @@ def _refers_only_to_itself(root: dict, node: dict) -> bool:
         seen.add(id(node))
         node = resolve_ref(root, node["$ref"])
     return False
+
+
+def _unique_items_short(root: dict, node: dict) -> int | None:
+    """For a unique array with more `minItems` than its items have values (`uniqueItems`, three integers in 0..1),
+    how many values there are; else None. Items with a `$ref` are left alone (`closed_set` may read them narrower
+    than a draft does)."""
+    min_items, items = node.get("minItems"), node.get("items")
+    if not (_only_type(node, "array") and node.get("uniqueItems") is True and isinstance(items, dict)):
+        return None
+    if isinstance(min_items, bool) or not isinstance(min_items, int) or "prefixItems" in node:
+        return None
+    if "$ref" in json.dumps(items):
+        return None
+    values = closed_set(root, items)
+    return len(values) if values is not None and len(values) < min_items else None
 
 
 def _only_type(node: dict, name: str) -> bool:
