@@ -231,6 +231,32 @@ def test_stream_deltas_accumulate(client, model_name):
         assert json.loads(seen[i]["arguments"]) == json.loads(call.function.arguments)
 
 
+def test_stream_calls_after_the_first_come_as_one_delta_each(client, model_name):
+    """Calls after the first are held until complete (a repeat is never streamed), then sent as one entry with their
+    whole arguments (before: one entry per fragment, ~14 entries of one index in one chunk)."""
+    chunks = list(
+        client.chat.completions.create(
+            model=model_name,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=100,
+            temperature=0,
+            stream=True,
+        )
+    )
+    later = []
+    for chunk in chunks:
+        for c in chunk.choices:
+            indexes = [d.index for d in c.delta.tool_calls or []]
+            assert len(indexes) == len(set(indexes)), indexes
+            later += [d for d in c.delta.tool_calls or [] if d.index > 0]
+    assert later, "the default model writes a second call here"
+    for d in later:
+        assert d.id and d.function.name
+        check_call(d.function.name, d.function.arguments)
+
+
 def test_stream_named_function_finishes_with_stop(base_url, model_name):
     body = {
         "model": model_name,

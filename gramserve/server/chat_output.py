@@ -176,4 +176,21 @@ class ChoiceStream:
             self._signatures.add(sig)
             held = self._held.pop(k, [])
             self.calls_made += any(d.id is not None for d in held)
-            out.tool_calls += held
+            out.tool_calls += _one_delta(held)
+
+
+def _one_delta(deltas: list[P.DeltaToolCall]) -> list[P.DeltaToolCall]:
+    """A held call's deltas as one entry (its id, name and whole arguments), as a client reads one call's delta."""
+    if len(deltas) < 2:
+        return deltas
+    first = next((d for d in deltas if d.id is not None), deltas[0])
+    arguments = "".join(d.function.arguments or "" for d in deltas if d.function is not None)
+    name = first.function.name if first.function is not None else None
+    return [
+        P.DeltaToolCall(
+            index=first.index,
+            id=first.id,
+            type=first.type,
+            function=P.DeltaFunctionCall(name=name, arguments=arguments),
+        )
+    ]
