@@ -38,6 +38,8 @@ HOSTILE = [
     ("/v1/chat/completions", _chat(temperature=1e300), 400, "temperature"),
     ("/v1/chat/completions", _chat(temperature=1e300, response_format={"type": "json_object"}), 400, "temperature"),
     ("/v1/chat/completions", _chat(priority=10**30), 400, "priority"),
+    ("/v1/completions", {"prompt": [True, 5], "max_tokens": 2}, 400, "prompt"),  # was token ids 1 and 5
+    ("/generate", {"input_ids": [1.5, 2]}, 400, "input_ids"),
     ("/v1/chat/completions", _chat(stop=["x" * 5000]), 400, "stop"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
     ("/v1/chat/completions", _chat(chat_template_kwargs={"chat_template": "{{ 'x' }}"}), 400, "chat_template_kwargs"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
 
 # Ranges checked where a request is parsed, so no value can overflow a C integer further in.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # any 64-bit seed, signed or not
@@ -162,7 +162,7 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]  # strict: true is not token 1
     logprobs: Optional[int] = None
     echo: bool = False
     suffix: Optional[str] = None
@@ -207,7 +207,7 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     text: Optional[Union[str, list[str]]] = None
-    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    input_ids: Optional[Union[list[StrictInt], list[list[StrictInt]]]] = None
     sampling_params: Union[dict[str, Any], list[dict[str, Any]]] = Field(default_factory=dict)
     stream: bool = False
     return_logprob: bool = False
