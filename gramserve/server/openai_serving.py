@@ -236,13 +236,16 @@ class OpenAIServing:
         plan = plan_tools(req, self.tool_parser, self.args)
         grammar_is_tools = False
         if plan is not None and plan.parses_calls:
-            if grammar is None:
+            forced = plan.mode in ("required", "named")
+            if grammar is None or (forced and grammar.kind in ("json_schema", "json_object")):
+                # A forced call writes no text answer for a JSON response format to shape (the OpenAI Agents SDK
+                # sends both: tool_choice required and its output_type's schema): the calls' grammar holds.
                 backend = checked_backend(req.grammar_backend or self.args.grammar_backend)
                 grammar, grammar_is_tools = tool_grammar(plan, self.args, backend), True
-            elif plan.mode in ("required", "named"):
+            elif forced:
                 raise InvalidRequestError(
-                    "tool_choice required or a named function cannot be combined with "
-                    "another output constraint (response_format, regex, ...)",
+                    "tool_choice required or a named function cannot be combined with a regex, grammar or "
+                    "structural-tag constraint",
                     "tool_choice",
                 )
             elif (either := calls_or_answer_grammar(plan, grammar, self.args)) is not None:

@@ -141,14 +141,14 @@ def template_takes_content_parts(chat_template: str | None) -> bool:
 
 
 def _call_dict(call: P.ToolCallSpec) -> dict[str, Any]:
+    """A history call with object arguments (what templates expect). Arguments that are not JSON stay the text they
+    are: a call cut at max_tokens that an agent framework sends back must not fail the next turn."""
     args = call.function.arguments
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
         except ValueError:
-            raise InvalidRequestError(
-                f"tool call {call.function.name!r} in the history has arguments that are not valid JSON", "messages"
-            ) from None
+            pass
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
 
 
