@@ -586,6 +586,36 @@ def test_a_schema_no_grammar_enforces_is_served_relaxed_and_retried(client, mode
     assert json.loads("".join(c.choices[0].delta.content or "" for c in chunks))["n"] == v
 
 
+def test_a_relaxed_output_whose_check_cannot_finish_is_not_returned_as_valid(client, model_name):
+    """A relaxed grammar leaves keywords (dependentRequired here) to the last check; a check that runs out of time
+    (the required key against a pattern that backtracks, ^(a|a)*$) enforced nothing, so the output ends as
+    invalid_output, never "stop" (it was returned as valid, missing `cvv`)."""
+    key = "a" * 28 + "b"
+    schema = {
+        "type": "object",
+        "properties": {
+            key: {"type": "integer", "minimum": 0, "maximum": 9},
+            "card": {"type": "string", "maxLength": 4},
+        },
+        "patternProperties": {"^(a|a)*$": {"type": "integer"}},
+        "required": [key, "card"],
+        "dependentRequired": {"card": ["cvv"]},
+        "additionalProperties": False,
+        "maxProperties": 2,
+    }
+    fmt = {"type": "json_schema", "json_schema": {"name": "card", "schema": schema}}
+    chunks = list(
+        client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "A card."}], max_tokens=100, temperature=0,
+            response_format=fmt, stream=True,
+        )
+    )  # fmt: skip
+    assert chunks[-1].model_extra.get("grammar_backend", "").endswith(":relaxed") or any(
+        c.model_extra.get("grammar_backend", "").endswith(":relaxed") for c in chunks
+    )
+    assert chunks[-1].choices[0].finish_reason == "invalid_output", chunks[-1]
+
+
 def test_schema_in_prompt_writes_the_schema_into_the_system_prompt(tmp_path, tokenizer):
     """--grammar-schema-in-prompt: a chat response_format schema is also written into the system prompt (appended to
     the client's own system message, or in a system message first): the prompt the model sees is exactly that."""

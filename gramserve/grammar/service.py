@@ -48,7 +48,7 @@ from gramserve.grammar.fill_probe import probe_fill_us
 from gramserve.grammar.json_shape import JsonTokens
 from gramserve.grammar.loop_guard import DigitTokens, LoopGuard
 from gramserve.grammar.schema_checks import SchemaProblem
-from gramserve.grammar.schema_relax import dropped_keywords, relaxable
+from gramserve.grammar.schema_relax import RELAXED, dropped_keywords, relaxable
 from gramserve.grammar.shared_fills import StateKeys
 from gramserve.grammar.unique_arrays import unique_arrays
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
@@ -61,7 +61,6 @@ logger = logging.getLogger(__name__)
 AUTO_ORDER = ("llguidance", "xgrammar", "outlines")
 # `auto`'s last resort for a JSON schema no backend enforces exactly: llguidance over the closest schema it can
 # enforce (schema_relax.py); the server checks such outputs and resamples failing ones.
-RELAXED = ":relaxed"
 NO_EXTENSION = "NoExtensionBias"  # llguidance's error where no token can extend the output
 AUTO_RELAXED = "llguidance" + RELAXED
 RELAXABLE_KINDS = ("json_schema", "structural_tag")  # a structural tag relaxes the JSON schemas inside it

@@ -24,6 +24,7 @@ import zmq.asyncio
 
 from gramserve.config import ServerConfig
 from gramserve.grammar.backends import vocab_bytes
+from gramserve.grammar.schema_relax import RELAXED
 from gramserve.ipc import SCHEDULER_IN, TOKENIZER_MANAGER_IN, pull_socket, push_socket
 from gramserve.messages import (
     AbortReq,
@@ -481,7 +482,10 @@ class TokenizerManager:
                     fin = out.finished
                 if target is not None:
                     text.append(out.text)
-                    if fin is not None and fin.type == "stop" and not isinstance(fin.matched, str):
+                    ended = fin is not None and fin.type == "stop" and not isinstance(fin.matched, str)
+                    # Calls completed before a cut at max_tokens are returned too: they are checked as well.
+                    cut_calls = fin is not None and fin.type == "length" and isinstance(target, ToolPlan)
+                    if ended or cut_calls:
                         out = await self._last_check(rid, target, "".join(text), out)
                 yield out
                 started = True
@@ -498,6 +502,10 @@ class TokenizerManager:
     async def _last_check(self, rid: str, target: CheckTarget, text: str, out: GenerateOutput) -> GenerateOutput:
         """The output ended on its own: if it breaks its schema, it ends as ``invalid_output`` (output_check.py)."""
         result = await self.output_checker.check(target, text)
+        if not result.checked and (out.grammar_backend or "").endswith(RELAXED):
+            # The grammar left keywords to this check, which did not finish (a pattern that backtracks past its
+            # time bound): nothing enforced them, so the output cannot be returned as valid.
+            result = replace(result, error="the output could not be checked against the keywords its grammar left out")
         if result.error is None:
             return out
         logger.warning("request %s: constrained output failed the last check: %s", rid, result.error)
