@@ -42,3 +42,23 @@ def test_xgrammar_rejects_what_the_audit_says_it_enforces(tokenizer):
     for fmt in sorted(XGRAMMAR_FORMATS):
         matcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps({"type": "string", "format": fmt})))
         assert not matcher.accept_string('"@@ not valid {{"'), fmt
+
+
+def test_integer_bounds_past_2_53_are_unenforced_by_llguidance(tokenizer):
+    """A new user's finding: llguidance reads integer bounds as doubles, so maximum 9007199254740999 let a walk write
+    9007199254741000 (xgrammar keeps them exact): `auto` passes such schemas on. Bounds within 2**53 stay exact."""
+    import llguidance
+
+    big = {"type": "integer", "minimum": 9007199254740990, "maximum": 9007199254740999}
+    assert unenforced("llguidance", json.dumps(big)) == ["integer bounds past 2**53"]
+    assert unenforced("xgrammar", json.dumps(big)) == []
+    assert unenforced("llguidance", json.dumps({"type": "integer", "minimum": 0, "maximum": 2**53})) == []
+    assert unenforced("llguidance", json.dumps({"type": "number", "maximum": 1e300})) == []
+    # what llguidance does: the grammar takes a value past the maximum
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(big)
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
+    from llguidance.hf import from_tokenizer
+
+    matcher = llguidance.LLMatcher(from_tokenizer(tokenizer), grammar)
+    ids = tokenizer.encode("9007199254741000", add_special_tokens=False)
+    assert matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()

@@ -193,6 +193,9 @@ def unenforced(backend: str, schema_text: str) -> list[str]:
                 found.add("numeric bounds")
             if ("anyOf" in node or "oneOf" in node) and _ASSERTIONS & node.keys():
                 found.add("anyOf/oneOf next to other keywords")
+        if backend == "llguidance" and _integer_bound_past_float(node):
+            # llguidance 1.9.1 reads bounds as doubles: maximum 9007199254740999 let 9007199254741000 through
+            found.add("integer bounds past 2**53")
         if backend != "xgrammar":
             continue  # llguidance rejects at compile time what it cannot enforce
         found |= XGRAMMAR_UNENFORCED & node.keys()
@@ -217,6 +220,14 @@ def unenforced(backend: str, schema_text: str) -> list[str]:
         elif isinstance(ref, str) and ref != "#" and not ref.startswith("#/"):  # an anchor name: "any JSON" too
             found.add(f"a $ref to an anchor ({ref[:80]})")
     return sorted(found)
+
+
+def _integer_bound_past_float(node: dict) -> bool:
+    """An integer node bounded past 2**53, where a double no longer holds every integer."""
+    if node.get("type") not in ("integer", ["integer"]):
+        return False
+    bounds = (node.get(k) for k in _NUMERIC_BOUNDS)
+    return any(isinstance(b, (int, float)) and not isinstance(b, bool) and abs(b) > 2**53 for b in bounds)
 
 
 def _format_unenforced_by_xgrammar(node: dict) -> bool:
