@@ -40,7 +40,9 @@ def test_numbers_are_read_as_decimals():
     # is left unchecked, never called "not JSON".
     assert c.check_now(grammar({"type": "integer"}), "1e9999999999999999999") == CheckResult(True, None)
     assert "maximum" in c.check_now(grammar({"type": "number", "maximum": 1e300}), "1e9999999999999999999").error
-    assert c.check_now(grammar({"type": "number", "exclusiveMinimum": 0}), "2E-99999999999999999999").error is None
+    assert c.check_now(grammar({"type": "number", "minimum": 0}), "2E-99999999999999999999").error is None
+    # ... but over an exclusiveMinimum of 0 it is 0.0 to a client's parser (test_bounds_hold_as_a_double_too)
+    assert "double" in c.check_now(grammar({"type": "number", "exclusiveMinimum": 0}), "2E-99999999999999999999").error
     assert c.check_now(grammar({"type": "integer"}), "-2E-99999999999999999999").error
     # a longer mantissa past the edge (an 8B run's outputs: a first version of the clamp raised there, a 500)
     for text in ("12.5e99999999999999999999", "-0.75E-99999999999999999999", "0.0e99999999999999999999"):
@@ -205,3 +207,27 @@ def test_multiples_of_long_numbers_are_checked_exactly():
     # cannot be told, so it is left unchecked (3e99999999999999999999 is a multiple of 3; 1e... would not be).
     assert not c.check_now(grammar({"type": "number", "multipleOf": 3}), "3e99999999999999999999").checked
     assert not c.check_now(grammar(schema), '{"q": 1e-99999999999999999999}').checked
+
+
+def test_bounds_hold_as_a_double_too():
+    """0.999999999999999969999 is under an exclusiveMaximum of 1 as a decimal, but json.loads and pydantic read 1.0
+    (a new user's finding: such an output came back as "stop" and pydantic refused it). Bounds hold both ways; draft
+    4's boolean exclusive bounds keep jsonschema's own keywords."""
+    schema = {"type": "object", "properties": {"h": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}}}
+    c = OutputChecker()
+    bad = c.check_now(grammar(schema), '{"h": 0.999999999999999969999}')
+    assert bad.checked and "as a double" in bad.error, bad
+    assert c.check_now(grammar(schema), '{"h": 1e-400}').error is not None  # 0.0 as a double
+    assert c.check_now(grammar(schema), '{"h": 0.99999999}').error is None
+    assert c.check_now(grammar(schema), '{"h": 1}').error is not None
+    inclusive = {"type": "integer", "minimum": 5, "maximum": 9007199254740993}
+    assert c.check_now(grammar(inclusive), "9007199254740993").error is None  # 9007199254740992.0 as a double: fine
+    assert c.check_now(grammar(inclusive), "4").error is not None
+    draft4 = {
+        "$schema": "http://json-schema.org/draft-04/schema#",
+        "type": "number",
+        "maximum": 1,
+        "exclusiveMaximum": True,
+    }
+    assert c.check_now(grammar(draft4), "1").error is not None
+    assert c.check_now(grammar(draft4), "0.5").error is None

@@ -21,9 +21,11 @@ import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from decimal import MAX_EMAX, MIN_EMIN, Decimal
+from typing import Any
 
 import jsonschema
 import regex
@@ -106,6 +108,31 @@ def _multiple_of_keyword(validator, divisor, instance, schema):
     if not is_multiple(instance, divisor):
         text = str(instance)
         yield ValidationError(f"{text if len(text) <= 40 else text[:37] + '...'} is not a multiple of {divisor}")
+
+
+def _bound_keyword(name: str, holds: Callable[[Any, Any], bool]):
+    """A numeric bound (drafts 6 on, where the exclusive bounds are numbers) that the number meets both exactly and
+    as a double, which is how most clients read it: 0.999999999999999969999 is under an exclusiveMaximum of 1, but
+    json.loads and pydantic read 1.0 (an output sampled so was returned as valid, and pydantic refused it)."""
+
+    def keyword(validator, bound, instance, schema):
+        if not validator.is_type(instance, "number") or not validator.is_type(bound, "number"):
+            return
+        if not holds(instance, bound):
+            yield ValidationError(f"{instance} does not meet the {name} {bound}")
+        elif isinstance(instance, Decimal) and not holds(float(instance), float(bound)):
+            as_double = float(instance)
+            yield ValidationError(f"{instance} does not meet the {name} {bound} once read as a double ({as_double!r})")
+
+    return keyword
+
+
+BOUND_KEYWORDS = {
+    "minimum": _bound_keyword("minimum", lambda v, b: v >= b),
+    "maximum": _bound_keyword("maximum", lambda v, b: v <= b),
+    "exclusiveMinimum": _bound_keyword("exclusiveMinimum", lambda v, b: v > b),
+    "exclusiveMaximum": _bound_keyword("exclusiveMaximum", lambda v, b: v < b),
+}
 
 
 class ClampedNumber(ArithmeticError):
@@ -276,7 +303,9 @@ def _checking_class(draft):
     """The draft's validator class with timed `regex` patterns and Decimal integers (5.0 is an integer in JSON
     Schema; outputs are read as Decimals, which the default type checker calls numbers only)."""
     types = draft.TYPE_CHECKER.redefine("integer", _is_integer)
-    return jsonschema.validators.extend(draft, CHECK_KEYWORDS, type_checker=types)
+    numeric_exclusive = draft not in (jsonschema.Draft3Validator, jsonschema.Draft4Validator)  # booleans there
+    keywords = {**CHECK_KEYWORDS, **BOUND_KEYWORDS} if numeric_exclusive else CHECK_KEYWORDS
+    return jsonschema.validators.extend(draft, keywords, type_checker=types)
 
 
 def output_number(text: str) -> Decimal:
