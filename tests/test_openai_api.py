@@ -491,6 +491,10 @@ def test_abort_request_by_a_rid_the_requests_split_from_it(base_url):
     many = {"text": ["a"] * 17, "sampling_params": {"max_new_tokens": 1, "n": 128}}
     r = httpx.post(base_url + "/generate", json=many, timeout=60)
     assert r.status_code == 400 and "waiting queue" in r.json()["error"]["message"], r.text
+    from gramserve.server import protocol as P
+    from gramserve.server.native_batch import split_generate
+
+    assert len(split_generate(P.GenerateRequest(text="hi"), 8, 0)[0]) == 1  # --max-queued-requests 0: no limit
     assert wait_pool_whole(base_url)["used_slots"] == 0
 
 

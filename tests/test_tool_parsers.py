@@ -790,3 +790,37 @@ def test_long_arguments_stream_in_linear_time():
         content, calls = stream(name, [text[i : i + 4] for i in range(0, len(text), 4)], tools)
         assert json.loads(calls[0][1]) == {"code": code}
     assert time.perf_counter() - start < 15
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3", "mistral", "pythonic", "qwen3_coder", "deepseek_v3", "kimi_k2"])
+def test_stop_strings_turn_off_at_a_call_start_not_at_plain_text(name):
+    """`stop_until` (call_markers) is the parser's region start: a stop string keeps cutting text that only holds a
+    grammar trigger ("See [1]" for pythonic's "[", a JSON example for llama3's '{"'), and stops cutting at a call."""
+    import re
+
+    from gramserve.server.tool_requests import ToolPlan, call_markers
+
+    parser_cls = get_tool_call_parser(name)
+    (pattern,) = call_markers(ToolPlan(TOOLS, "auto", None, True, parser_cls))
+    call = parser_cls(TOOLS).render_calls([("get_weather", {"city": "Paris"})])
+    assert re.search(pattern, "Sure.\n" + call), (name, call)
+    assert not re.search(pattern, 'See [1] and {"x": 1}, then (2).'), name
+
+
+@pytest.mark.parametrize("name", ["hermes", "pythonic", "qwen3_coder", "llama3"])
+def test_history_arguments_that_are_not_an_object_render(name):
+    """A call cut at max_tokens and sent back (its arguments not JSON) must render in every format: pythonic and
+    qwen3_coder's renderers read the arguments as a dict (an AttributeError, a 500, when they stayed text)."""
+    from gramserve.server import protocol as P
+    from gramserve.server.tool_requests import ToolPlan, render_messages
+
+    cut = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Par'}}
+    messages = [
+        P.ChatMessage(role="user", content="Weather?"),
+        P.ChatMessage(role="assistant", content=None, tool_calls=[cut]),
+        P.ChatMessage(role="tool", tool_call_id="c1", content="error: cut"),
+    ]
+    plan = ToolPlan(TOOLS, "auto", None, True, get_tool_call_parser(name))
+    for native in (False, True):
+        out, _ = render_messages(messages, plan, native, get_tool_call_parser(name))
+        assert any(m["role"] == "assistant" for m in out), out

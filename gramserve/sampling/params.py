@@ -35,7 +35,7 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str: bool = False  # the matched stop string ends the text instead of being cut (vLLM, SGLang)
-    # Stop strings apply until one of these appears in the output: the start of a tool call, which stop strings
+    # Stop strings apply until one of these regexes matches the output: the start of a tool call, which stop strings
     # do not cut (OpenAI's `stop` ends the text answer, never a call's arguments). Empty: always.
     stop_until: tuple[str, ...] = ()
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 from gramserve.messages import FinishReason, TokenizedGenerateReq, TokenLogprob
 from gramserve.sampling.params import SamplingParams
 from gramserve.sampling.sampler import SamplingRow
+
+STOP_UNTIL_TAIL_TOKENS = 48  # the output's tail searched for a `stop_until` pattern (a call's start is short)
 
 
 class Req:
@@ -105,9 +108,8 @@ class Req:
         return self.params.stop if self.stops_live else ()
 
     def _check_stop_until(self, tokenizer) -> None:
-        markers = self.params.stop_until
-        tail = tokenizer.decode(self.output_ids[-max(len(m) for m in markers) :], skip_special_tokens=False)
-        if any(m in tail for m in markers):
+        tail = tokenizer.decode(self.output_ids[-STOP_UNTIL_TAIL_TOKENS:], skip_special_tokens=False)
+        if any(re.search(pattern, tail) for pattern in self.params.stop_until):
             self.stops_live = False
 
     def _tail_has_stop_string(self, tokenizer) -> bool:

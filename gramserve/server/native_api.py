@@ -28,16 +28,22 @@ def native_router(args: ServerArgs, tm: TokenizerManager) -> APIRouter:
         req = await parse_body(request, P.GenerateRequest)
         reqs, many = split_generate(req, args.max_n, args.max_queued_requests)
         watch = request.is_disconnected
-        if reqs[0].stream:
+        # From before the requests are queued: an abort by the client's rid reaches them while they wait.
+        group = _group(req, reqs)
+        if not reqs[0].stream:
+            with group:
+                if many:
+                    return JSONResponse(await serving.generate_many(reqs, watch))
+                return JSONResponse(await serving.generate(reqs[0], watch))
+        try:
             if many:
                 payloads = await serving.generate_many_stream(reqs, watch)
             else:
                 payloads = await serving.generate_stream(reqs[0], watch)
-            return StreamingResponse(_in_group(req, reqs, sse_stream(payloads)), media_type="text/event-stream")
-        with _group(req, reqs):
-            if many:
-                return JSONResponse(await serving.generate_many(reqs, watch))
-            return JSONResponse(await serving.generate(reqs[0], watch))
+        except BaseException:
+            group.close()
+            raise
+        return StreamingResponse(_closing(group, sse_stream(payloads)), media_type="text/event-stream")
 
     def _group(req: P.GenerateRequest, reqs: list[P.GenerateRequest]) -> contextlib.ExitStack:
         """/abort_request with a rid the client gave aborts every request split from it (n > 1, a batch)."""
@@ -49,8 +55,8 @@ def native_router(args: ServerArgs, tm: TokenizerManager) -> APIRouter:
                 stack.enter_context(tm.rid_group(rid, members))
         return stack
 
-    async def _in_group(req, reqs, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        with _group(req, reqs):
+    async def _closing(group: contextlib.ExitStack, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        with group:
             async for chunk in stream:
                 yield chunk
 

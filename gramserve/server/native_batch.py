@@ -61,7 +61,7 @@ def split_generate(
                 one[seed_key] = choice_seed(sampling[seed_key], j)  # n samples differ, reproducibly
             rid = f"{base}-{j}" if n > 1 else base
             out.append(req.model_copy(update={key: prompt, "sampling_params": one, "rid": rid}))
-    if max_requests is not None and len(out) > max_requests:
+    if max_requests and len(out) > max_requests:  # 0 or None: no limit
         raise InvalidRequestError(
             f"{len(prompts)} prompt(s) x n make {len(out)} requests, more than the {max_requests} the waiting queue "
             "holds (--max-queued-requests): split the batch",

@@ -20,6 +20,7 @@ import asyncio
 import functools
 import json
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -120,11 +121,18 @@ def _bound_keyword(name: str, holds: Callable[[Any, Any], bool]):
             return
         if not holds(instance, bound):
             yield ValidationError(f"{instance} does not meet the {name} {bound}")
-        elif isinstance(instance, Decimal) and not holds(float(instance), float(bound)):
+        elif isinstance(instance, Decimal) and not holds(float(instance), _as_double(bound)):
             as_double = float(instance)
             yield ValidationError(f"{instance} does not meet the {name} {bound} once read as a double ({as_double!r})")
 
     return keyword
+
+
+def _as_double(x) -> float:
+    try:
+        return float(x)
+    except OverflowError:  # an integer past the doubles' range
+        return math.copysign(math.inf, x)
 
 
 BOUND_KEYWORDS = {

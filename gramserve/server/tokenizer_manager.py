@@ -206,6 +206,7 @@ class TokenizerManager:
         self.request_timeout = config.args.request_timeout
         self._retry_of: dict[str, str] = {}  # a request's rid -> the rid of its retry now running (for abort)
         self.rid_groups: dict[str, list[str]] = {}  # a client's rid -> the rids of the requests split from it
+        self._token_texts: dict[int, str] = {}  # token_text's cache (at most the vocabulary)
         self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="prep")
         # A text holds at least len(text) / (longest token's length) tokens: past this it cannot fit the context.
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
@@ -299,7 +300,10 @@ class TokenizerManager:
         return await asyncio.get_running_loop().run_in_executor(self._prep, functools.partial(fn, *args))
 
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        text = self._token_texts.get(token_id)
+        if text is None:  # cached: a stream's payloads list every token so far (return_text_in_logprobs)
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     @functools.cached_property
     def _token_bytes(self) -> tuple[bytes | None, ...]:
@@ -485,8 +489,10 @@ class TokenizerManager:
                     ended = fin is not None and fin.type == "stop" and not isinstance(fin.matched, str)
                     # Calls completed before a cut at max_tokens are returned too: they are checked as well.
                     cut_calls = fin is not None and fin.type == "length" and isinstance(target, ToolPlan)
-                    if ended or cut_calls:
+                    if ended:
                         out = await self._last_check(rid, target, "".join(text), out)
+                    elif cut_calls:  # only the calls: an answer cut at max_tokens is not checked (it is "length")
+                        out = await self._last_check(rid, replace(target, answer=None), "".join(text), out)
                 yield out
                 started = True
                 if out.finished is not None:

@@ -52,7 +52,7 @@ class ToolPlan:
 def plan_tools(req: P.ChatCompletionRequest, parser_name: str, args: ServerArgs) -> ToolPlan | None:
     """None when the request has no tools and no tool_choice."""
     for legacy in ("functions", "function_call"):
-        if (req.model_extra or {}).get(legacy) is not None:  # a forced call must not be dropped silently
+        if (req.model_extra or {}).get(legacy) not in (None, [], "none"):  # a forced call must not be dropped silently
             raise InvalidRequestError(
                 f"{legacy} is OpenAI's deprecated form of function calling and is not served: use tools and "
                 "tool_choice",
@@ -106,6 +106,8 @@ def tool_grammar(plan: ToolPlan, args: ServerArgs, backend: str) -> GrammarReque
 def calls_or_answer_grammar(plan: ToolPlan, answer: GrammarRequest, args: ServerArgs) -> GrammarRequest | None:
     """tool_choice auto with a JSON response format (OpenAI: the model may call tools, and its text answer follows
     the format): calls, as `required` shapes them, or the answer. None for constraints other than JSON."""
+    if answer.backend == "outlines":
+        return None  # it compiles no structural tags: the format holds the whole output, as before
     if answer.kind == "json_schema":
         answer_format = {"type": "json_schema", "json_schema": json.loads(answer.text)}
     elif answer.kind == "json_object":
@@ -119,9 +121,9 @@ def calls_or_answer_grammar(plan: ToolPlan, answer: GrammarRequest, args: Server
 
 
 def call_markers(plan: ToolPlan) -> tuple[str, ...]:
-    """The texts that begin a call in the plan's format: the triggers of its `auto` grammar."""
-    fmt = plan.new_parser().structural_tag("auto", plan.parallel)["format"]
-    return tuple(t for t in fmt.get("triggers", ()) if t)
+    """Regexes of what begins a call in the plan's format: its parser's region start (`<tool_call>`, `[f(`), not the
+    grammar's broader triggers (`[`, `{"`), which plain text also holds."""
+    return (plan.parser_cls.start_pattern,)
 
 
 def template_supports_tools(chat_template: str | None) -> bool:
@@ -141,14 +143,16 @@ def template_takes_content_parts(chat_template: str | None) -> bool:
 
 
 def _call_dict(call: P.ToolCallSpec) -> dict[str, Any]:
-    """A history call with object arguments (what templates expect). Arguments that are not JSON stay the text they
-    are: a call cut at max_tokens that an agent framework sends back must not fail the next turn."""
+    """A history call with object arguments (what templates and call renderers expect). Arguments that are not a JSON
+    object become {}: a call cut at max_tokens that an agent framework sends back must not fail the next turn."""
     args = call.function.arguments
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
         except ValueError:
-            pass
+            args = {}
+    if not isinstance(args, dict):
+        args = {}
     return {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": args}}
 
 
