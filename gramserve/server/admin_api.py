@@ -35,7 +35,8 @@ def public_config(config: ServerConfig) -> dict:
 def admin_router(config: ServerConfig, tm: TokenizerManager) -> APIRouter:
     router = APIRouter()
 
-    @router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
+    @router.head("/health", include_in_schema=False)  # load balancers' probes; the schema documents GET
+    @router.get("/health")
     async def health():
         problem = tm.health.problem() if tm.health is not None else None
         if problem is not None:
