@@ -253,7 +253,7 @@ class OpenAIServing:
                 plan, grammar, grammar_is_tools = replace(plan, answer=grammar), either, True
             # auto plus another constraint (regex, a grammar): it constrains the whole output; calls are parsed.
             if params.stop:  # stop strings end the text answer, never a call (OpenAI)
-                if plan.mode in ("required", "named"):  # the output is calls only
+                if forced:  # the output is calls only
                     params = replace(params, stop=())
                 else:
                     params = replace(params, stop_until=call_markers(plan))
