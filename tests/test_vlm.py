@@ -114,6 +114,31 @@ def test_image_processor_matches_hf_clip():
         image = picture(w, h, seed=w)
         want = ref(images=image, return_tensors="np")["pixel_values"][0]
         np.testing.assert_allclose(ours.pixels(image), want, atol=1e-5)
+    # Transparent pixels go on white, as HF's convert_to_rgb puts them (convert("RGB") made them black): a
+    # half-transparent RGBA PNG and a palette PNG with a transparent index, through decode_image as served.
+    from gramserve.multimodal.images import ImageLimits, decode_image
+
+    rgba = np.asarray(picture(70, 60, seed=3)).copy()
+    alpha = np.where(np.arange(70)[None, :] < 35, 0, 255).astype(np.uint8).repeat(60, 0)
+    palette = Image.fromarray(np.asarray(picture(60, 70, seed=4))).convert("P")
+    palette.info["transparency"] = 0
+    for image in (Image.fromarray(np.dstack([rgba, alpha]), "RGBA"), palette):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        served = decode_image(buf.getvalue(), ImageLimits(max_bytes=10**7, max_pixels=10**7))
+        want = ref(images=Image.open(io.BytesIO(buf.getvalue())), return_tensors="np")["pixel_values"][0]
+        np.testing.assert_allclose(ours.pixels(served), want, atol=1e-5)
+
+
+def test_image_placeholders_differ_with_the_whole_digest():
+    """Two images whose digests are equal modulo the vocabulary (digest + i made their runs equal, and the prefix
+    cache gave one the other's KV) get different placeholder runs; one digest always the same run."""
+    from gramserve.multimodal.processors import placeholder_ids
+
+    vocab = 49153
+    a, b = placeholder_ids(114, 16, vocab), placeholder_ids(114 + vocab, 16, vocab)
+    assert a != b and a == placeholder_ids(114, 16, vocab)
+    assert all(0 <= t < vocab for t in a + b)
 
 
 @torch.inference_mode()

@@ -62,9 +62,21 @@ def decode_image(data: bytes, limits: ImageLimits):
         raise ImageError("the image is empty")
     try:
         image.seek(0)
-        return image.convert("RGB")
+        image.load()  # decode here: truncated pixel data fails inside this try, not later
+        return to_rgb(image)
     except Exception as exc:  # noqa: BLE001 - truncated or corrupt pixel data shows only when decoded
         raise ImageError(f"the image data is corrupt ({type(exc).__name__}: {exc})") from None
+
+
+def to_rgb(image):
+    """RGB, transparent pixels on white (as HF's `convert_to_rgb`; `convert("RGB")` made them black, so a transparent
+    PNG's pixels differed from the reference processor's)."""
+    from PIL import Image
+
+    if image.mode == "RGB":
+        return image
+    rgba = image.convert("RGBA")
+    return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
 
 
 def _image_bytes(url: str, limits: ImageLimits) -> bytes:

@@ -2,9 +2,9 @@
 image tokens -> placeholder ranges.
 
 The chat layer writes one image token (the tokenizer's `<image>`) where each image part was; `expand` widens each
-to the image's `tokens_per_image` placeholders. Placeholder ids are derived from the image's digest (a different
-valid id at each position), so the prefix cache tells two images apart, and reuses the KV of a repeated one; the
-model replaces their embeddings with the image's features anyway.
+to the image's `tokens_per_image` placeholders. Placeholder ids are drawn from the image's digest (`placeholder_ids`),
+so the prefix cache tells two images apart, and reuses the KV of a repeated one; the model replaces their
+embeddings with the image's features anyway.
 """
 
 from __future__ import annotations
@@ -139,10 +139,17 @@ class ImageProcessor:
                 digest = int.from_bytes(hashlib.sha256(pixels.tobytes()).digest()[:8], "little")
             out += input_ids[last:pos]
             inputs.append(ImageInput(pixels, digest, len(out), self.tokens_per_image, norm))
-            out += [(digest + i) % self.vocab_size for i in range(self.tokens_per_image)]
+            out += placeholder_ids(digest, self.tokens_per_image, self.vocab_size)
             last = pos + 1
         out += input_ids[last:]
         return out, tuple(inputs)
+
+
+def placeholder_ids(digest: int, count: int, vocab_size: int) -> list[int]:
+    """An image's placeholder ids: `count` ids drawn from a generator seeded with its whole 64-bit digest, so two
+    images share a prefix-cache run only if their digests do. (`digest + i` made the run depend on `digest % V`
+    alone: one pair in about 200 images behind one prompt collided, and the second reused the first's KV.)"""
+    return np.random.default_rng(digest).integers(0, vocab_size, size=count).tolist()
 
 
 # The registry: each vision-language architecture's pixel preprocessing.
