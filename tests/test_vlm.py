@@ -93,6 +93,8 @@ def vlm(tmp_path_factory):
         "1000000",
         "--allowed-media-domains",
         "127.0.0.1",
+        "--media-fetch-timeout",
+        "2",
     )
     srv.model_dir, srv.image_id, srv.root = model_dir, image_id, root
     yield srv
@@ -314,6 +316,33 @@ def _error(srv, content, status: int) -> str:
     return r.json()["error"]["message"]
 
 
+def _dripping_url() -> str:
+    """A local HTTP server that sends a PNG header, then a byte every 0.5 s: each read is quick, the whole is not."""
+    import http.server
+    import threading
+    import time
+
+    class Drip(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            try:
+                for _ in range(40):
+                    self.wfile.write(b"\x89")
+                    self.wfile.flush()
+                    time.sleep(0.5)
+            except OSError:
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Drip)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return f"http://127.0.0.1:{server.server_address[1]}/slow.png"
+
+
 def test_bad_images_get_clear_errors(vlm):
     text = {"type": "text", "text": "What is this?"}
     b64 = base64.b64encode
@@ -334,6 +363,10 @@ def test_bad_images_get_clear_errors(vlm):
     assert "could not be read" in _error(
         vlm, [text, image_part("file://" + os.path.join(vlm.root, "allowed", "no.png"))], 400
     )
+    fifo = os.path.join(vlm.root, "allowed", "pipe.png")
+    os.mkfifo(fifo)  # opening it would block the prep thread until a writer came
+    assert "not a regular file" in _error(vlm, [text, image_part("file://" + fifo)], 400)
+    assert "longer than 2 s" in _error(vlm, [text, image_part(_dripping_url())], 400)  # was: as long as it drips
     assert "limit is 3" in _error(vlm, [text] + [image_part(png)] * 4, 400)
     assert "image tokens" in _error(vlm, [{"type": "text", "text": "a <image> typed in text"}], 400)
     assert "url" in _error(vlm, [text, {"type": "image_url", "image_url": {}}], 400)

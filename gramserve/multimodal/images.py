@@ -16,6 +16,7 @@ import base64
 import binascii
 import io
 import os
+import time
 import urllib.parse
 from dataclasses import dataclass
 
@@ -118,10 +119,12 @@ def _local_file(url: str, limits: ImageLimits) -> bytes:
     if os.path.commonpath([root, real]) != root:
         raise ImageError(f"image file {path!r} is outside the allowed folder", 403)
     try:
+        if os.path.exists(real) and not os.path.isfile(real):  # a FIFO or a device would block a prep thread
+            raise ImageError(f"image file {path!r} is not a regular file")
         if os.path.getsize(real) > limits.max_bytes:
             raise ImageError(f"image file larger than the limit ({limits.max_bytes} bytes)")
         with open(real, "rb") as f:
-            return f.read()
+            return f.read(limits.max_bytes + 1)
     except OSError as exc:
         raise ImageError(f"image file {path!r} could not be read: {exc.strerror}") from None
 
@@ -135,15 +138,20 @@ def _fetch(url: str, limits: ImageLimits) -> bytes:
         raise ImageError("image URLs are not fetched by this server (start it with --allowed-media-domains)", 403)
     if "*" not in allowed and host not in allowed:
         raise ImageError(f"image host {host!r} is not in the allowed domains", 403)
+    # httpx's timeout bounds each read: a host sending a byte a second never trips it, so the whole fetch has a
+    # deadline of its own (checked as the body arrives, in chunks of at most 16 KiB).
+    deadline = time.monotonic() + limits.fetch_timeout
     try:
         with httpx.stream("GET", url, timeout=limits.fetch_timeout, follow_redirects=False) as resp:
             if resp.status_code != 200:
                 raise ImageError(f"fetching the image gave HTTP {resp.status_code}")
             chunks, size = [], 0
-            for chunk in resp.iter_bytes():
+            for chunk in resp.iter_bytes(16384):
                 size += len(chunk)
                 if size > limits.max_bytes:
                     raise ImageError(f"image larger than the limit ({limits.max_bytes} bytes)")
+                if time.monotonic() > deadline:
+                    raise ImageError(f"fetching the image took longer than {limits.fetch_timeout:g} s")
                 chunks.append(chunk)
             return b"".join(chunks)
     except httpx.HTTPError as exc:
