@@ -363,6 +363,14 @@ def test_bad_images_get_clear_errors(vlm):
     assert "could not be read" in _error(
         vlm, [text, image_part("file://" + os.path.join(vlm.root, "allowed", "no.png"))], 400
     )
+    # Read as clients write them: an uppercase scheme, base64 wrapped at 76 columns, the URL-safe alphabet.
+    wrapped = "DATA:image/png;base64," + "\n".join(png.split(",")[1][i : i + 76] for i in range(0, len(png), 76))
+    urlsafe = "data:image/png;base64," + png.split(",")[1].replace("+", "-").replace("/", "_")
+    for url in (wrapped, urlsafe):
+        r = client(vlm).chat.completions.create(
+            model="default", messages=[{"role": "user", "content": [text, image_part(url)]}], max_tokens=2
+        )
+        assert r.choices[0].finish_reason in ("stop", "length")
     fifo = os.path.join(vlm.root, "allowed", "pipe.png")
     os.mkfifo(fifo)  # opening it would block the prep thread until a writer came
     assert "not a regular file" in _error(vlm, [text, image_part("file://" + fifo)], 400)

@@ -81,7 +81,7 @@ def to_rgb(image):
 
 
 def _image_bytes(url: str, limits: ImageLimits) -> bytes:
-    if url.startswith("data:"):
+    if url[:5].lower() == "data:":  # URL schemes are case-insensitive
         return _data_url(url, limits)
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme in ("http", "https"):
@@ -102,6 +102,8 @@ def _data_url(url: str, limits: ImageLimits) -> bytes:
         raise ImageError("a data: image_url must be base64 encoded (data:image/png;base64,...)")
     if len(payload) > limits.max_bytes * 4 // 3 + 4:
         raise ImageError(f"image larger than the limit ({limits.max_bytes} bytes)")
+    # Line breaks (base64 wrapped at 76 columns) and the URL-safe alphabet are base64 too, as clients write it.
+    payload = "".join(payload.split()).replace("-", "+").replace("_", "/")
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
