@@ -176,14 +176,14 @@ def test_calls_before_a_cut_at_max_tokens_are_checked_too(client, model_name):
     tools = [{"type": "function", "function": {"name": "book", "description": "Book a trip", "parameters": params}}]
     ask = [{"role": "user", "content": "Book my trips to Paris and Rome."}]
     r = client.chat.completions.create(
-        model=model_name, messages=ask, tools=tools, tool_choice="required", max_tokens=30, temperature=0
-    )
+        model=model_name, messages=ask, tools=tools, tool_choice="required", max_tokens=30, temperature=0, seed=7
+    )  # the seed: retries after a failed check sample at a raised temperature, reproducibly only when seeded
     choice = r.choices[0]
     assert choice.finish_reason in ("invalid_output", "length", "tool_calls"), choice
     if choice.finish_reason != "invalid_output":  # which names the calls that broke their schema
         for call in choice.message.tool_calls or []:
             jsonschema.validate(json.loads(call.function.arguments), params)
-    assert choice.finish_reason == "invalid_output"  # greedy: each attempt writes {"city": "Paris"} again
+    assert choice.finish_reason == "invalid_output"  # with this seed each attempt writes {"city": "Paris"} again
 
 
 def test_auto_calls_that_start_are_valid(client, model_name):
