@@ -378,10 +378,12 @@ def test_bad_images_get_clear_errors(vlm):
     assert "limit is 3" in _error(vlm, [text] + [image_part(png)] * 4, 400)
     assert "image tokens" in _error(vlm, [{"type": "text", "text": "a <image> typed in text"}], 400)
     assert "url" in _error(vlm, [text, {"type": "image_url", "image_url": {}}], 400)
+    assert "detail" in _error(vlm, [text, {"type": "image_url", "image_url": {"url": png, "detail": "ultra"}}], 400)
     assert "not supported" in _error(vlm, [text, {"type": "input_audio", "input_audio": {"data": ""}}], 400)
-    # the server is unharmed
+    # the server is unharmed; OpenAI's details are read
+    low = {"type": "image_url", "image_url": {"url": png, "detail": "low"}}
     r = client(vlm).chat.completions.create(
-        model="default", messages=[{"role": "user", "content": [text, image_part(png)]}], max_tokens=2
+        model="default", messages=[{"role": "user", "content": [text, low]}], max_tokens=2
     )
     assert r.choices[0].finish_reason in ("stop", "length")
 

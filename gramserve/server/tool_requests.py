@@ -193,11 +193,19 @@ def _text(content: Any, images: list[str] | None = None, image_token: str | None
     return "".join(parts)
 
 
+IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's; every one is served at the model's own resolution
+
+
 def _image_url(part: Any) -> str:
     spec = getattr(part, "image_url", None)
     url = spec.get("url") if isinstance(spec, dict) else spec
     if not isinstance(url, str) or not url:
         raise InvalidRequestError('an image_url part needs "image_url": {"url": ...}', "messages")
+    detail = spec.get("detail") if isinstance(spec, dict) else None
+    if detail is not None and detail not in IMAGE_DETAILS:
+        raise InvalidRequestError(
+            f"image_url.detail must be one of {', '.join(IMAGE_DETAILS)}, not {detail!r}", "messages"
+        )
     return url
 
 
