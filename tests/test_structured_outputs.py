@@ -340,6 +340,11 @@ def test_logprob_bytes_of_tokens_holding_part_of_a_character(base_url, model_nam
     assert any(t.startswith("bytes:\\x") for t in lp["tokens"]) and "\ufffd" not in "".join(lp["tokens"])
     offsets = lp["text_offset"]
     assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(text), offsets
+    # Streamed, a character split between two chunks is counted once: the offsets are the same.
+    with httpx.stream("POST", base_url + "/v1/completions", json={**body, "logprobs": 1, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    streamed = [o for c in chunks for ch in c["choices"] if ch.get("logprobs") for o in ch["logprobs"]["text_offset"]]
+    assert streamed == offsets and "".join(ch["text"] for c in chunks for ch in c["choices"]) == text
 
 
 def test_schema_limits(base_url, model_name):

@@ -89,6 +89,21 @@ class CompletionSetup:
     lora: str | None = None  # the LoRA adapter the request names
 
 
+class TextOffsets:
+    """The `text_offset` of a completion's next token: characters decoded so far from its tokens' bytes, a split
+    character counted once it is whole."""
+
+    def __init__(self) -> None:
+        self.chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.offset = 0
+
+    def advance(self, token: bytes) -> int:
+        """The offset of this token (then moved past it)."""
+        at = self.offset
+        self.offset += len(self.chars.decode(token))
+        return at
+
+
 class OpenAIServing:
     def __init__(self, tm: TokenizerManager, config: ServerConfig):
         self.tm = tm
@@ -476,18 +491,16 @@ class OpenAIServing:
             self._check_prompt(ids, params, "prompt")
         return CompletionSetup(prompts, params, grammar, lora)
 
-    def _completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> P.CompletionLogprobs:
+    def _completion_logprobs(self, lps: list[TokenLogprob], offsets: TextOffsets) -> P.CompletionLogprobs:
         """`text_offset` counts the characters of the text before each token: a token holding part of a character
-        starts where that character does. A token that is not whole characters is written `bytes:\\xNN...`
-        (OpenAI's form)."""
+        starts where that character does (`offsets` carries a split character from one streamed chunk to the next).
+        A token that is not whole characters is written `bytes:\\xNN...` (OpenAI's form)."""
         out = P.CompletionLogprobs()
-        chars = codecs.getincrementaldecoder("utf-8")(errors="replace")
         for lp in lps:
             out.tokens.append(self._token_label(lp.token_id))
             out.token_logprobs.append(lp.logprob)
             out.top_logprobs.append({self._token_label(i): v for i, v in lp.top})
-            out.text_offset.append(offset)
-            offset += len(chars.decode(bytes(self.tm.token_bytes(lp.token_id))))
+            out.text_offset.append(offsets.advance(bytes(self.tm.token_bytes(lp.token_id))))
         return out
 
     def _token_label(self, token_id: int) -> str:
@@ -535,7 +548,7 @@ class OpenAIServing:
                     P.CompletionChoice(
                         index=pi * req.n + i,
                         text=texts[i],
-                        logprobs=self._completion_logprobs(lps[i], 0) if req.logprobs is not None else None,
+                        logprobs=self._completion_logprobs(lps[i], TextOffsets()) if req.logprobs is not None else None,
                         finish_reason=finals[i].finish_reason,
                         matched_stop=finals[i].matched_stop,
                     )
@@ -584,7 +597,7 @@ class OpenAIServing:
 
         async def chunks() -> AsyncIterator:
             totals = [0] * (len(prompts) * n)
-            offsets = [0] * (len(prompts) * n)
+            offsets = [TextOffsets() for _ in range(len(prompts) * n)]
             prompt_tokens, cached = [0] * len(prompts), [0] * len(prompts)
             try:
                 async for pi, (i, out) in merged:
@@ -594,12 +607,11 @@ class OpenAIServing:
                         out.prompt_tokens,
                         out.cached_tokens,
                     )
-                    if not out.text and out.finished is None:
-                        continue
+                    if not out.text and out.finished is None and (req.logprobs is None or not out.answer_logprobs):
+                        continue  # a token holding part of a character: its logprob goes out, its text waits
                     lp = None
                     if req.logprobs is not None:
                         lp = self._completion_logprobs(out.answer_logprobs, offsets[index])
-                    offsets[index] += len(out.text)
                     yield P.CompletionResponse(
                         id=rid,
                         model=self.model_of(setup),
