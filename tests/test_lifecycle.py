@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -103,6 +104,33 @@ def test_nonexistent_model_exits_quickly_with_a_clear_message(ipc_tmp):
     assert "does not exist" in out, out
     assert elapsed < 60, f"took {elapsed:.0f} s to fail"
     assert not glob.glob(os.path.join(ipc_tmp, "gramserve-ipc-*")), "IPC folder left behind"
+
+
+def test_a_busy_port_and_bad_limits_are_refused_before_the_model_loads():
+    """A port in use or a host that does not resolve fails before the model loads (it failed after the load and
+    the warm-up, blaming the detokenizer); a negative timeout was accepted and served every request a 503."""
+    serve = [sys.executable, "-m", "gramserve", "serve"]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        cases = [
+            (["--port", port], "Address already in use"),
+            (["--host", "no-such-host.invalid", "--port", str(free_port())], "cannot listen on no-such-host.invalid"),
+            (["--watchdog-timeout", "-1"], "--watchdog-timeout must be more than 0"),
+            (["--request-timeout", "-1"], "--request-timeout must be more than 0"),
+            (["--shutdown-timeout", "-3"], "--shutdown-timeout must be 0 or more"),
+            (["--max-running-requests", "100000000"], "--max-running-requests must be at most"),
+            (["--log-level", "bogus"], "--log-level must be one of"),
+        ]
+        for flags, message in cases:
+            t0 = time.time()
+            res = subprocess.run(serve + flags, capture_output=True, text=True, timeout=120)
+            assert res.returncode == 2 and message in res.stderr, (flags, res.stderr[-2000:])
+            assert "Traceback" not in res.stderr and time.time() - t0 < 30, flags
+    # A KV pool larger than the host's memory: refused once the model is loaded (it was killed by the OOM killer).
+    res = subprocess.run(serve + ["--kv-cache-memory-gb", "100000"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1 and "does not fit in the" in res.stderr.splitlines()[-1], res.stderr[-2000:]
 
 
 class _Stream:

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import free_port
 
 from gramserve.model.llama import LlamaForCausalLM
 from gramserve.model.model_config import ModelConfig
@@ -109,7 +110,7 @@ def test_shared_memory_collectives_between_two_processes():
 
 
 def test_settings_that_cannot_run_are_refused():
-    serve = [sys.executable, "-m", "gramserve", "serve", "--port", "1"]
+    serve = [sys.executable, "-m", "gramserve", "serve", "--port", str(free_port())]
     run = subprocess.run(serve + ["--tp-size", "4"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 1 and "more than the model's 3 KV heads" in run.stderr
     run = subprocess.run(serve + ["--tp-size", "2", "--nnodes", "2"], capture_output=True, text=True, timeout=60)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gramserve.host_memory import available_memory_bytes
 from gramserve.model.attention import create_backend
 from gramserve.model.forward_batch import ForwardBatch
 from gramserve.model.kv_cache import KVCache
@@ -258,12 +259,20 @@ class ModelRunner:
                 "activation_reserve_gib": round(activations / 2**30, 2),
                 "mem_fraction_static": self.cfg.mem_fraction_static,
             }
-        else:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        else:  # MemAvailable, not free pages: page cache counts (free pages moved the pool 16k-46k between starts)
+            avail = available_memory_bytes() or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = min(2 * 2**30, 0.2 * avail)
         slots = int(budget // per_token)
         # More slots than every running request at full context could use would be wasted memory.
         slots = min(slots, max_running_requests * self.context_length)
+        avail = available_memory_bytes()
+        if self.device.type == "cpu" and avail is not None and slots * per_token > 0.9 * avail:
+            # Asked for with --kv-cache-memory-gb: past what the host has, the pool's first use got the process
+            # killed by the kernel's OOM killer, with nothing said.
+            raise RuntimeError(
+                f"--kv-cache-memory-gb {self.cfg.kv_cache_memory_gb}: a KV pool of {slots * per_token / 2**30:.1f} "
+                f"GiB does not fit in the {avail / 2**30:.1f} GiB of memory available; give less"
+            )
         if slots < self.context_length // 4:
             raise RuntimeError(f"KV budget of {budget / 2**30:.2f} GiB holds only {slots} tokens; give more memory")
         return slots

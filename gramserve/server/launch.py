@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -35,14 +36,35 @@ def launch_server(args: ServerArgs) -> int:
             logger.error("%s", exc)
             return 1
     try:
+        listener = bind_listener(args.host, args.port)  # before the model loads: a busy port fails in a second
+    except OSError as exc:
+        print(f"gramserve serve: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    try:
         engine = start_engine_processes(args)
     except (StartupError, ValueError) as exc:
         logger.error("%s", exc)
+        listener.close()
         return 1
     try:
-        return _serve(engine)
+        return _serve(engine, listener)
     finally:
         engine.stop()
+        listener.close()
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (uvicorn listens on it once the engine is up)."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait TIME_WAIT
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 class _Server(uvicorn.Server):
@@ -80,7 +102,7 @@ def startup_summary(config: ServerConfig, runner_info: dict) -> str:
 FLUSH_S = 1.0  # after failing the requests in flight: time for their error answers to reach the clients
 
 
-def _serve(engine: EngineProcesses) -> int:
+def _serve(engine: EngineProcesses, listener: socket.socket) -> int:
     from gramserve.server.app import create_app
     from gramserve.server.metrics import RequestMetrics
     from gramserve.server.tokenizer_manager import TokenizerManager
@@ -149,7 +171,7 @@ def _serve(engine: EngineProcesses) -> int:
             "(--api-key or GRAMSERVE_API_KEY)",
             args.host,
         )
-    server.run()
+    server.run(sockets=[listener])
     if dead:
         return 1
     return 0 if server.started else 1
