@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import signal
 import sys
 
 from gramserve.config import ServerArgs
@@ -44,14 +45,27 @@ def run_extract(ns: argparse.Namespace, args: ServerArgs) -> int:
     except (OSError, ValueError) as exc:
         print(f"gramserve extract: {exc}", file=sys.stderr)
         return 2
-    with Engine(args.model_path, **engine_args) as engine:
-        summary = job.run(engine)
+    signal.signal(signal.SIGTERM, _interrupt)  # as Ctrl-C: the results written so far stay, the engine stops
+    try:
+        with Engine(args.model_path, **engine_args) as engine:
+            summary = job.run(engine)
+    except KeyboardInterrupt:
+        print(
+            f"gramserve extract: interrupted; the results written so far are in {ns.output}: "
+            "the same command again goes on from there",
+            file=sys.stderr,
+        )
+        return 130
     print(summary.text(), file=sys.stderr)
     if ns.summary_json:
         with open(ns.summary_json, "w") as f:
             json.dump(summary.to_dict(), f, indent=2)
     nothing_extracted = summary.done == 0 and summary.failed > 0
     return 1 if summary.invalid or nothing_extracted else 0
+
+
+def _interrupt(_signum, _frame) -> None:
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str] | None = None) -> None:

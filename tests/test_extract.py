@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import jsonschema
 import pytest
@@ -157,3 +159,22 @@ def test_extract_never_deletes_lines_it_did_not_write(tmp_path):
         run = subprocess.run([*cmd, str(output)], capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and fragment in run.stderr and "Traceback" not in run.stderr, run.stderr[-1500:]
         assert before is None or output.read_text() == before
+
+
+def test_an_interrupted_extract_says_how_to_go_on(tmp_path):
+    """SIGTERM (as Ctrl-C) mid-job: exit 130 with a line saying the same command resumes, no traceback (Ctrl-C
+    printed asyncio's KeyboardInterrupt traceback; SIGTERM exited without a word)."""
+    schema, docs, out = tmp_path / "person.json", tmp_path / "docs.jsonl", tmp_path / "out.jsonl"
+    schema.write_text(json.dumps(SCHEMA))
+    docs.write_text("".join(json.dumps({"id": f"d{i}", "text": GOOD[i % 4][1]}) + "\n" for i in range(400)))
+    cmd = [sys.executable, "-m", "gramserve", "extract", "--skip-warmup", "--no-progress", "--max-tokens", "48"]
+    cmd += ["--schema", str(schema), "--input", str(docs), "--output", str(out)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 300
+    while not (out.exists() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and "the same command again goes on from there" in err, err[-3000:]
+    assert "Traceback" not in err and 2 <= len(out.read_text().splitlines()) < 400
