@@ -203,6 +203,14 @@ def test_a_malformed_input_file_fails_the_batch_with_line_numbers(client):
     empty = wait_for(client, submit(client, ["", "  "]).id)
     assert empty.status == "failed" and empty.errors.data[0].code == "empty_file"
 
+    # A Latin-1 line is named as not UTF-8 (its message said "not valid JSON").
+    latin = json.dumps(chat_line("a")) + "\n" + json.dumps(chat_line("caf\u00e9"), ensure_ascii=False)
+    latin = latin.encode("latin-1")
+    source = client.files.create(file=("latin.jsonl", latin), purpose="batch")
+    batch = client.batches.create(input_file_id=source.id, endpoint=CHAT, completion_window="24h")
+    error = wait_for(client, batch.id).errors.data[0]
+    assert (error.line, error.code) == (2, "invalid_json_line") and "not UTF-8" in error.message, error
+
 
 def test_bad_batch_requests_get_openai_errors(client):
     source = upload(client, [chat_line("a")])

@@ -125,6 +125,12 @@ def scan_input(path: str, endpoint: str, max_requests: int) -> ScannedInput:
             if is_blank(raw):
                 continue
             try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:  # named as such: "not valid JSON" sent users looking at the JSON
+                msg = f"Line {number} is not UTF-8 (byte {exc.start + 1} of the line); save the file as UTF-8."
+                add(LineError("invalid_json_line", msg, number))
+                continue
+            try:
                 obj = parse_json_object(raw)
             except InvalidRequestError as exc:
                 add(LineError("invalid_json_line", f"Line {number} is not a valid request line: {exc}.", number))
