@@ -50,6 +50,7 @@ from gramserve.grammar.loop_guard import DigitTokens, LoopGuard
 from gramserve.grammar.schema_checks import SchemaProblem
 from gramserve.grammar.schema_relax import RELAXED, dropped_keywords, relaxable
 from gramserve.grammar.shared_fills import StateKeys
+from gramserve.grammar.surrogate_guard import SurrogateGuard
 from gramserve.grammar.unique_arrays import unique_arrays
 from gramserve.messages import GrammarCompileReq, GrammarCompileResp, GrammarRequest, GrammarStepReq, GrammarStepResp
 from gramserve.sampling.bitmask import allocate_bitmask
@@ -164,6 +165,7 @@ class GrammarService:
         self.loop_guards: dict[str, LoopGuard] = {}  # rid -> its guard (options.loop_guard, JSON kinds)
         # Rows in one matcher state fill once a step (shared_fills.py); None: every row fills.
         self.state_keys = StateKeys() if share_fills else None
+        self.surrogates = SurrogateGuard.of(tokenizer)
         self._scratch: torch.Tensor | None = None  # one bitmask row for masks computed off the shared bitmask
         self.digit_tokens = DigitTokens.of(tokenizer) if options.loop_guard else None
         self.json_tokens = JsonTokens.of(tokenizer, vocab_size) if options.loop_guard else None
@@ -508,6 +510,7 @@ class GrammarService:
         self.matchers.pop(rid, None)
         self._unfilled.discard(rid)
         self.loop_guards.pop(rid, None)
+        self.surrogates.forget(rid)
         if self.state_keys is not None:
             self.state_keys.forget(rid)
 
@@ -539,6 +542,7 @@ class GrammarService:
                 if keys is not None:
                     keys.forget(rid)
                 continue
+            self.surrogates.accept(rid, token)
             if (guard := guards.get(rid)) is not None:
                 guard.accept(token)
             if keys is not None:
@@ -601,6 +605,10 @@ class GrammarService:
         if not items:
             return 0
         fill_rows([mr for _, mr in items], self.bitmask, self.fill_pool)
+        if pending := self.surrogates.pending:
+            for rid, (_, row) in items:
+                if rid in pending:
+                    ban_tokens(self.bitmask[row], self.surrogates.completes)
         guards = self.loop_guards
         if not guards:
             return 0
