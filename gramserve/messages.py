@@ -25,6 +25,8 @@ class GrammarRequest:
     # The constraint starts only once the output text contains this marker (a reasoning model's end of
     # thinking, e.g. "</think>"); matched on text, so any tokenization of the marker counts.
     start_after: str = ""
+    # The request field it came from (errors name it); not part of the grammar's identity.
+    param: str = field(default="response_format", compare=False)
 
 
 @dataclass(frozen=True)

@@ -739,3 +739,28 @@ def test_thousands_of_choices_and_a_grammar_its_backend_gives_up_on_mid_output(c
         )
         for _ in stream:
             pass
+
+
+def test_misplaced_or_misspelt_constraints_are_refused_not_dropped(base_url, model_name):
+    """Each of these left the output unconstrained with a 200: a misspelt structured_outputs key, a constraint at
+    /generate's top level, an unknown backend without a constraint. vLLM's spellings are read: the "guidance"
+    backend, "name:options", boolean schemas; a regex of one space is a regex. Errors name the field used."""
+
+    def completions(**body):
+        return httpx.post(base_url + "/v1/completions", json={"model": model_name, "prompt": "x", **body}, timeout=60)
+
+    r = completions(max_tokens=5, structured_outputs={"json_schema": {"type": "integer"}})
+    assert r.status_code == 400 and "unknown keys ['json_schema']" in r.json()["error"]["message"], r.text
+    r = httpx.post(base_url + "/generate", json={"text": "x", "regex": "a+", "sampling_params": {}}, timeout=60)
+    assert r.status_code == 400 and "regex must be inside sampling_params" in r.json()["error"]["message"], r.text
+    r = completions(max_tokens=5, grammar_backend="bogus")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "grammar_backend", r.text
+    for backend in ("guidance", "xgrammar:disable-any-whitespace"):
+        r = completions(max_tokens=6, guided_regex="[ab]{1,4}", guided_decoding_backend=backend, temperature=0)
+        assert r.status_code == 200 and re.fullmatch("[ab]{1,4}", r.json()["choices"][0]["text"]), r.text
+    r = completions(max_tokens=12, guided_json=True, temperature=0)
+    assert r.status_code == 200 and r.json()["grammar_backend"], r.text
+    r = completions(max_tokens=3, guided_regex=" ", temperature=0)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == " ", r.text
+    r = completions(max_tokens=3, guided_regex="(?=a)abc")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text

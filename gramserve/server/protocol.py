@@ -64,10 +64,10 @@ class SamplingFields(BaseModel):
     response_format: Optional[dict[str, Any]] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
-    json_schema: Optional[Union[dict[str, Any], str]] = None
+    json_schema: Optional[Union[dict[str, Any], bool, str]] = None  # true / false: JSON Schema's boolean schemas
     structural_tag: Optional[Union[dict[str, Any], str]] = None
     structured_outputs: Optional[dict[str, Any]] = None
-    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_json: Optional[Union[dict[str, Any], bool, str]] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
@@ -198,6 +198,18 @@ class NativeSamplingParams(BaseModel):
     no_stop_trim: Optional[bool] = None  # SGLang's: the matched stop string ends the text
 
 
+# every key /generate reads from sampling_params
+NATIVE_SAMPLING_KEYS = frozenset(NativeSamplingParams.model_fields) | {
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "choice",
+    "grammar_backend",
+    "response_format",
+    "structured_outputs",
+}
 _Rid = Annotated[str, Field(min_length=1, max_length=256)]
 
 
@@ -217,6 +229,15 @@ class GenerateRequest(BaseModel):
     rid: Optional[Union[_Rid, list[_Rid]]] = None
     priority: int = Field(0, ge=-INT32_MAX, le=INT32_MAX)
     lora_path: Optional[str] = Field(None, min_length=1, max_length=256)  # a LoRA adapter's name
+
+    @model_validator(mode="after")
+    def _nothing_misplaced(self) -> "GenerateRequest":
+        """SGLang's other top-level fields pass (extra="allow"); a sampling or constraint key there is refused: it
+        would be ignored, and a `regex` beside `sampling_params` left the output unconstrained."""
+        misplaced = sorted(set(self.model_extra or ()) & NATIVE_SAMPLING_KEYS)
+        if misplaced:
+            raise ValueError(f"{', '.join(misplaced)} must be inside sampling_params")
+        return self
 
 
 # --- responses -------------------------------------------------------------------------------

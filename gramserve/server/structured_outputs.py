@@ -20,10 +20,22 @@ from gramserve.server.errors import InvalidRequestError
 BACKENDS = ("xgrammar", "llguidance", "outlines", "auto")
 
 
-def checked_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise InvalidRequestError(f"grammar_backend must be one of {list(BACKENDS)}", "grammar_backend")
-    return backend
+# vLLM's names, and its older "name:option,..." form (the options are whitespace and fallback choices, which this
+# server makes itself: bounded whitespace, `auto`'s fallback).
+BACKEND_ALIASES = {"guidance": "llguidance"}
+VLLM_BACKEND_OPTIONS = ("disable-any-whitespace", "disable-fallback", "no-fallback", "no-additional-properties")
+# structured_outputs keys besides the constraints: vLLM's options this server has no use for (see above)
+STRUCTURED_OUTPUTS_OPTIONS = ("backend", "disable_fallback", "disable_any_whitespace", "whitespace_pattern")
+STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+def checked_backend(backend: Any, param: str = "grammar_backend") -> str:
+    name = backend.split(":", 1)[0] if isinstance(backend, str) else backend
+    options = backend.split(":", 1)[1].split(",") if isinstance(backend, str) and ":" in backend else []
+    name = BACKEND_ALIASES.get(name, name)
+    if name not in BACKENDS or any(o not in VLLM_BACKEND_OPTIONS for o in options):
+        raise InvalidRequestError(f"{param} must be one of {list(BACKENDS)}, got {backend!r}", param)
+    return name
 
 
 def _json_depth(value: Any, limit: int) -> int:
@@ -67,7 +79,7 @@ def _schema_text(schema: Any, args: ServerArgs, param: str) -> str:
 
 
 def _grammar_text(text: Any, args: ServerArgs, param: str) -> str:
-    if not isinstance(text, str) or not text.strip():
+    if not isinstance(text, str) or not text:  # " " is a regex of one space
         raise InvalidRequestError(f"{param} must be a non-empty string", param)
     if len(text.encode()) > args.grammar_max_bytes:
         raise InvalidRequestError(f"{param} is larger than the {args.grammar_max_bytes}-byte limit", param)
@@ -141,6 +153,12 @@ def grammar_from_fields(fields: dict[str, Any], args: ServerArgs) -> GrammarRequ
     if so is not None:
         if not isinstance(so, dict):
             raise InvalidRequestError("structured_outputs must be an object", "structured_outputs")
+        unknown = sorted(set(so) - set(STRUCTURED_OUTPUTS_KINDS) - set(STRUCTURED_OUTPUTS_OPTIONS))
+        if unknown:  # a misspelt key left the output unconstrained
+            raise InvalidRequestError(
+                f"structured_outputs has unknown keys {unknown}; it takes one of {list(STRUCTURED_OUTPUTS_KINDS)}",
+                "structured_outputs",
+            )
         if so.get("json") is not None:
             add("structured_outputs.json", "json_schema", _schema_text(so["json"], args, "structured_outputs"))
         if so.get("regex") is not None:
@@ -157,19 +175,22 @@ def grammar_from_fields(fields: dict[str, Any], args: ServerArgs) -> GrammarRequ
                 "structural_tag",
                 _structural_tag_text(so["structural_tag"], args, "structured_outputs"),
             )
+    backend, backend_param = args.grammar_backend, "grammar_backend"
+    for name, value in (
+        ("grammar_backend", fields.get("grammar_backend")),
+        ("guided_decoding_backend", fields.get("guided_decoding_backend")),
+        ("structured_outputs.backend", so.get("backend") if isinstance(so, dict) else None),
+    ):
+        if value is not None:
+            backend, backend_param = checked_backend(value, name), name  # checked even without a constraint
+            break
     if not found:
         return None
     if len(found) > 1:
         names = ", ".join(p for p, _, _ in found)
         raise InvalidRequestError(f"give at most one output constraint; got {names}", found[1][0])
-    backend = (
-        fields.get("grammar_backend")
-        or fields.get("guided_decoding_backend")
-        or (so.get("backend") if isinstance(so, dict) else None)
-        or args.grammar_backend
-    )
-    _, kind, text = found[0]
-    return GrammarRequest(kind=kind, text=text, backend=checked_backend(backend))
+    param, kind, text = found[0]
+    return GrammarRequest(kind=kind, text=text, backend=checked_backend(backend, backend_param), param=param)
 
 
 SCHEMA_INSTRUCTION = "Answer with JSON that follows this JSON schema:\n"

@@ -477,7 +477,7 @@ class TokenizerManager:
                     state.finished = True
                     if streamed and started and out.token_ids:
                         yield replace(out, finished=None)
-                    param = "tools" if isinstance(target, ToolPlan) else "response_format" if grammar else None
+                    param = "tools" if isinstance(target, ToolPlan) else grammar.param if grammar else None
                     raise _error_of(fin, param)
                 if repeated:  # the choice ends here (chat_output.py): stop the engine request now
                     self.to_scheduler.send_pyobj(AbortReq(rid))
@@ -584,7 +584,7 @@ class TokenizerManager:
 
 def _record_failure(watch: RequestWatch, exc: Exception, grammar: GrammarRequest | None) -> None:
     if isinstance(exc, InvalidRequestError):
-        refused = grammar is not None and exc.param in ("response_format", "tools")
+        refused = grammar is not None and exc.param in (grammar.param, "tools")
         watch.failed("invalid_request", refusal=str(exc) if refused else None)
     elif isinstance(exc, ServerBusyError):
         watch.failed("queue_full")
