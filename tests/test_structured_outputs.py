@@ -764,3 +764,6 @@ def test_misplaced_or_misspelt_constraints_are_refused_not_dropped(base_url, mod
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == " ", r.text
     r = completions(max_tokens=3, guided_regex="(?=a)abc")
     assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+    for backend in ("outlines", "xgrammar", "llguidance"):  # outlines refused the anchors the others read
+        r = completions(max_tokens=4, guided_regex="^[ab]{2}$", guided_decoding_backend=backend, temperature=0)
+        assert r.status_code == 200 and re.fullmatch("[ab]{2}", r.json()["choices"][0]["text"]), (backend, r.text)

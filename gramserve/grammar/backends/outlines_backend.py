@@ -180,7 +180,7 @@ class OutlinesBackend(GrammarBackend):
             )
             return regex, not (isinstance(schema, dict) and schema.get("type") in ("object", "array"))
         if kind == "regex":
-            return text, True
+            return _without_outer_anchors(text), True
         if kind == "choice":
             return "(" + "|".join(regex_escape(c) for c in parse_choices(text)) + ")", True
         if kind in ("ebnf", "structural_tag"):
@@ -212,3 +212,16 @@ def _could_spell(tok: bytes, sentinel: bytes) -> bool:
     if sentinel in tok:
         return True
     return any(tok[-k:] == sentinel[:k] for k in range(1, min(len(tok), len(sentinel)) + 1))
+
+
+def _without_outer_anchors(regex: str) -> str:
+    """The regex without a leading ``^`` and a trailing unescaped ``$``: the output matches it whole anyway, and
+    outlines-core refuses them ("anchored universal start state doesn't exist") where the other backends read them.
+    """
+    if regex.startswith("^"):
+        regex = regex[1:]
+    if regex.endswith("$"):
+        backslashes = len(regex) - 1 - len(regex[:-1].rstrip("\\"))
+        if backslashes % 2 == 0:
+            regex = regex[:-1]
+    return regex
