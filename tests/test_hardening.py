@@ -251,7 +251,13 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 def test_metrics_count_what_the_server_did(base_url, client, model_name):
     before = httpx.get(base_url + "/metrics").text
-    client.chat.completions.create(model=model_name, messages=CHAT, max_tokens=3, extra_body={"ignore_eos": True})
+    first = client.chat.completions.create(
+        model=model_name, messages=CHAT, max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    # A stream the client leaves: its prompt was computed, and counts (it counted only for finished requests).
+    body = {"model": model_name, "messages": CHAT, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=60) as left:
+        next(line for line in left.iter_lines() if '"content":"' in line and '"content":""' not in line)
     client.chat.completions.create(
         model=model_name, messages=CHAT, max_tokens=3, response_format={"type": "json_object"}
     )
@@ -283,6 +289,7 @@ def test_metrics_count_what_the_server_did(base_url, client, model_name):
     for name in set(re.findall(r"gramserve:[a-z0-9_]+", dashboard)):  # every series the dashboard plots exists
         assert re.search(rf"^{name}[{{ ]", after, re.M), name
     assert grew("gramserve:generation_tokens_total", 5)
+    assert grew("gramserve:prompt_tokens_total", 3 * first.usage.prompt_tokens)
     assert grew("gramserve:request_success_total", 1, finished_reason="length")
     assert grew("gramserve:constrained_requests_total", 1, kind="json_object")
     assert grew("gramserve:grammar_refusals_total", 1)

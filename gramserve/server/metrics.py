@@ -92,9 +92,11 @@ class RequestMetrics:
         if seconds > 0 and count > 0:
             self.itl.observe(seconds / count, count)
 
-    def finished(self, reason: str, prompt_tokens: int, seconds: float) -> None:
-        self.success[reason] += 1
+    def prefilled(self, prompt_tokens: int) -> None:
         self.prompt_tokens += prompt_tokens
+
+    def finished(self, reason: str, seconds: float) -> None:
+        self.success[reason] += 1
         self.e2e.observe(seconds)
 
     def failed(self, reason: str) -> None:
@@ -117,7 +119,7 @@ class RequestMetrics:
                 family.add_metric([model, key], float(value))
             return family
 
-        yield counter("prompt_tokens", "Prompt tokens of finished requests", self.prompt_tokens)
+        yield counter("prompt_tokens", "Prompt tokens computed (at each request's first token)", self.prompt_tokens)
         yield counter("generation_tokens", "Tokens generated", self.generation_tokens)
         yield by_label("request_success", "Requests finished, by finish reason", "finished_reason", self.success)
         yield by_label("request_failure", "Requests that ended in an error, by reason", "reason", self.failure)
@@ -137,19 +139,22 @@ class RequestWatch:
         self.last: float | None = None
         metrics.started(grammar_kind)
 
-    def tokens(self, count: int) -> None:
+    def tokens(self, count: int, prompt_tokens: int) -> None:
+        """`count` output tokens arrived. The prompt counts at the first: a request that fails or is aborted
+        later has had its prompt computed all the same (it counted only when the request finished)."""
         if count <= 0:
             return
         now = time.monotonic()
         if self.last is None:
             self.metrics.first_token(now - self.start)
+            self.metrics.prefilled(prompt_tokens)
             self.metrics.tokens(count, 0.0)
         else:
             self.metrics.tokens(count, now - self.last)
         self.last = now
 
-    def finished(self, reason: str, prompt_tokens: int) -> None:
-        self.metrics.finished(reason, prompt_tokens, time.monotonic() - self.start)
+    def finished(self, reason: str) -> None:
+        self.metrics.finished(reason, time.monotonic() - self.start)
 
     def failed(self, reason: str, refusal: str | None = None) -> None:
         self.metrics.failed(reason)

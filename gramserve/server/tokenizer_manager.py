@@ -365,12 +365,12 @@ class TokenizerManager:
             if not (retry_invalid and self.check_retries > 0 and target is not None):
                 async for out in self._attempt(rid, input_ids, sampling, *args):
                     if out.finished is not None and watch is not None:
-                        watch.finished(out.finished.type, out.prompt_tokens)
+                        watch.finished(out.finished.type)
                     yield out
                 return
             async for out in self._with_retries(rid, input_ids, sampling, args):
                 if out.finished is not None and watch is not None:
-                    watch.finished(out.finished.type, out.prompt_tokens)
+                    watch.finished(out.finished.type)
                 yield out
         except Exception as exc:
             if watch is not None:
@@ -468,7 +468,7 @@ class TokenizerManager:
                                 break
                 out = merge_outputs(items)
                 if watch is not None:
-                    watch.tokens(len(out.token_ids))
+                    watch.tokens(len(out.token_ids), out.prompt_tokens)
                 fin = out.finished
                 if fin is not None and fin.status_code is not None:
                     # An error: the HTTP answer (a whole response drops what was written before it, e.g. by a
