@@ -10,8 +10,6 @@ not take a token that starts with A0-BF (the vocabularies hold no token with ED 
 
 from __future__ import annotations
 
-import numpy as np
-
 from gramserve.grammar.backends import vocab_bytes
 
 SURROGATE_LEAD = 0xED  # U+D000-U+DFFF start with ED; A0-BF after it makes a surrogate
@@ -22,22 +20,22 @@ class SurrogateGuard:
     """Per request: does its output end with a lone ED byte? Those rows lose the tokens that would continue it
     into a surrogate."""
 
-    def __init__(self, ends_with_lead: np.ndarray, completes: frozenset[int]):
-        self.ends_with_lead = ends_with_lead  # [vocab] bool
+    def __init__(self, ends_with_lead: frozenset[int], completes: frozenset[int]):
+        self.ends_with_lead = ends_with_lead  # token ids ending with ED (two in SmolLM2's vocabulary)
         self.completes = completes  # token ids starting with A0-BF
         self.pending: set[str] = set()  # requests whose output ends with a lone ED
 
     @classmethod
     def of(cls, tokenizer) -> SurrogateGuard:
         tokens = vocab_bytes(tokenizer).tokens
-        ends = np.array([bool(t) and t[-1] == SURROGATE_LEAD for t in tokens])  # ED is always a lead byte
+        ends = frozenset(i for i, t in enumerate(tokens) if t and t[-1] == SURROGATE_LEAD)  # ED is always a lead
         completes = frozenset(i for i, t in enumerate(tokens) if t and t[0] in SURROGATE_SECOND)
         return cls(ends, completes)
 
     def accept(self, rid: str, token: int) -> None:
-        if 0 <= token < len(self.ends_with_lead) and self.ends_with_lead[token]:
+        if token in self.ends_with_lead:  # a set lookup: this runs for every accepted token of every row
             self.pending.add(rid)
-        else:
+        elif self.pending:
             self.pending.discard(rid)
 
     def forget(self, rid: str) -> None:
