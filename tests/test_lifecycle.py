@@ -85,6 +85,11 @@ def _start(servers, tmp_path, *extra: str) -> tuple[ServerProcess, list[int]]:
     children = srv.child_pids()
     spawned = [p for p in children if "spawn_main" in _cmdline(p)]
     assert len(spawned) == 3, f"expected scheduler, detokenizer and grammar children, got {_describe(children)}"
+    names = set()
+    for p in spawned:
+        with open(f"/proc/{p}/comm") as f:
+            names.add(f.read().strip())
+    assert names == {"gs-scheduler", "gs-detokenizer", "gs-grammar"}, names  # what ps -o comm and top show
     return srv, children
 
 

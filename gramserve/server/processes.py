@@ -7,6 +7,7 @@ layer starts the same way for both.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import logging
@@ -102,6 +103,7 @@ def check_parallel_fit(args: ServerArgs, model_cfg: ModelConfig) -> None:
         raise StartupError("a vision-language model with tp_size > 1 is not supported yet; use tp_size 1")
 
 
+PR_SET_NAME = 15  # prctl(2)
 MEMORY_MARGIN_BYTES = 2 * 2**30  # beyond the weights: the KV pool's CPU default (at most 2 GiB) and the processes
 
 
@@ -195,7 +197,18 @@ def set_nccl_environment() -> None:
 
 def _child_entry(target, config: ServerConfig, pipe) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    _name_process("gs-" + mp.current_process().name.replace("grammar-worker", "grammar"))  # 15 bytes at most
     target(config, pipe)
+
+
+def _name_process(name: str) -> None:
+    """The name `ps -o comm`, `top` and `htop` show (Linux; the command line stays multiprocessing's, which every
+    child shares): an operator tells the scheduler, detokenizer and grammar workers apart."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the name stays python's
+        pass
 
 
 def _wait_ready(name: str, proc: mp.Process, pipe, timeout: float = 600.0):
