@@ -41,6 +41,7 @@ from gramserve.grammar.backends._structural_tag import map_json_schemas, tag_sch
 from gramserve.grammar.backends._structural_tag import normalize as normalize_tag
 from gramserve.grammar.backends.base import GrammarBackend, GrammarCompileError, GrammarOptions, GrammarSpec
 from gramserve.grammar.disk_cache import PERSISTED_BACKENDS, DiskCache, backend_fingerprint
+from gramserve.grammar.pattern_dialect import dialect_patterns
 from gramserve.grammar.schema_audit import beyond_regular, unenforced
 from gramserve.grammar.schema_checks import SchemaProblem, schema_problem
 from gramserve.grammar.schema_normalize import (
@@ -154,7 +155,8 @@ def _normalized(schema: object, backend: GrammarBackend, relaxed: bool) -> tuple
     copies (hoist_deep_refs), `not` stated positively where it can be (rewrite_not), counts written as floats made
     ints (integral_counts), unbounded strings and arrays bounded if the server asks (bound_unbounded), and with
     `relaxed` what no grammar enforces taken out (schema_relax.relax); then, for a backend that searches for
-    patterns, unanchored patterns anchored at the start (anchor_patterns). Returns the schema (the same object if
+    patterns, unanchored patterns anchored at the start (anchor_patterns); patterns as Python's `re` reads them
+    (pattern_dialect). Returns the schema (the same object if
     unchanged) and what was dropped."""
     options = backend.options
     rewritten = integral_counts(rewrite_not(hoist_deep_refs(drop_ref_annotations(schema))))
@@ -162,6 +164,7 @@ def _normalized(schema: object, backend: GrammarBackend, relaxed: bool) -> tuple
     dropped: list[str] = []
     if relaxed:
         rewritten, dropped = relax(rewritten)
+    rewritten = dialect_patterns(rewritten)
     if backend.searches_patterns:
         rewritten = anchor_patterns(rewritten)
     return rewritten, dropped

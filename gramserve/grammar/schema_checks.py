@@ -24,6 +24,7 @@ import json
 import jsonschema
 import regex
 
+from gramserve.grammar import pattern_dialect
 from gramserve.grammar.backends.base import GrammarCompileError
 from gramserve.grammar.schema_audit import TYPE_CHECKS, schema_nodes
 from gramserve.grammar.schema_normalize import pointer_parts, resolve_ref
@@ -61,8 +62,10 @@ def schema_problem(schema_text: str) -> str | None:
         if isinstance(node.get("patternProperties"), dict):
             patterns += list(node["patternProperties"])
         for pattern in patterns:
+            if why := pattern_dialect.problem(pattern):
+                return f"the JSON schema at {_pointer(path)} has a pattern with {why}: {pattern!r}"
             try:
-                regex.compile(_SURROGATE_PAIR.sub(_code_point, pattern))
+                regex.compile(_SURROGATE_PAIR.sub(_code_point, pattern_dialect.for_backends(pattern)))
             except regex.error as exc:
                 return f"the JSON schema at {_pointer(path)} has a pattern that does not compile ({exc}): {pattern!r}"
         if _integer_range_past_64_bits(node):

@@ -32,6 +32,7 @@ import jsonschema
 import regex
 from jsonschema.exceptions import ValidationError
 
+from gramserve.grammar.pattern_dialect import for_backends
 from gramserve.grammar.schema_normalize import integral_counts
 from gramserve.messages import GrammarRequest
 from gramserve.parsers.tool_calls.base import parameters_of
@@ -64,8 +65,8 @@ class PatternTimeout(Exception):
 
 
 def _search(pattern: str, text: str) -> bool:
-    try:
-        return regex.search(pattern, text, timeout=PATTERN_TIMEOUT_S) is not None
+    try:  # read as Python's `re` reads it, as the grammars were made to (pattern_dialect.py)
+        return regex.search(for_backends(pattern), text, timeout=PATTERN_TIMEOUT_S) is not None
     except TimeoutError:
         raise PatternTimeout(pattern) from None
 
