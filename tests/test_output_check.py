@@ -30,6 +30,16 @@ def test_valid_invalid_and_not_json():
     assert "additional" in c.check_now(g, '{"name": "A", "x": 1}').error.lower()
 
 
+def test_a_repeated_key_fails_the_check():
+    """llguidance and xgrammar let a patternProperties key repeat ({"a": 1, "b": 3, "a": 9} at temperature 1.0):
+    json.loads keeps the last value and validates it, other parsers keep the first or refuse the object."""
+    schema = {"type": "object", "patternProperties": {"^[ab]$": {"type": "integer"}}, "additionalProperties": False}
+    c = OutputChecker()
+    assert c.check_now(grammar(schema), '{"a": 1, "b": 3}').error is None
+    assert "repeats a key" in c.check_now(grammar(schema), '{"a": 1, "b": 3, "a": 9}').error
+    assert "'x'" in c.check_now(GrammarRequest("json_object", ""), '{"o": {"x": 1, "x": 1}}').error
+
+
 def test_numbers_are_read_as_decimals():
     schema = {"type": "number", "multipleOf": 0.01, "maximum": 10000.9}
     c = OutputChecker()

@@ -265,7 +265,9 @@ class OutputChecker:
     def _check_json(self, kind: str, schema_text: str, text: str) -> CheckResult:
         try:
             # Decimals, not floats: 10000.89 is a multiple of 0.01 as JSON text, not as a binary float.
-            value = json.loads(text, parse_float=output_number)
+            value = json.loads(text, parse_float=output_number, object_pairs_hook=_object_without_repeats)
+        except RepeatedKey as exc:  # json.loads keeps the last value; other parsers keep the first, or refuse
+            return CheckResult(True, f"the output repeats a key in an object: {exc}")
         except ArithmeticError as exc:  # not expected (output_number clamps), but never a 500
             logger.info("an output was left unchecked: %s reading a number", type(exc).__name__)
             return CheckResult(False)
@@ -289,6 +291,18 @@ class OutputChecker:
             return CheckResult(True)
         where = "/".join(str(p) for p in error.absolute_path)
         return CheckResult(True, f"the output does not validate against the schema at /{where}: {error.message[:300]}")
+
+
+class RepeatedKey(ValueError):
+    """An object of the output names a key twice."""
+
+
+def _object_without_repeats(pairs: list[tuple[str, Any]]) -> dict:
+    value = dict(pairs)
+    if len(value) != len(pairs):
+        seen: set[str] = set()
+        raise RepeatedKey(next(repr(k) for k, _ in pairs if k in seen or seen.add(k)))
+    return value
 
 
 @functools.lru_cache(maxsize=VALIDATOR_CACHE)  # thread-safe; one validator per distinct schema text
