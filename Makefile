@@ -5,12 +5,12 @@ HOST ?= 127.0.0.1
 
 .PHONY: install install-test serve lint test bench
 
-# A stamp per Python environment: `make serve` again skips pip (a minute) until pyproject.toml changes.
+# A stamp per Python environment: `make serve` again skips pip (a minute) until pyproject.toml or this file changes.
 STAMP := build/.installed-$(shell $(PYTHON) -c "import hashlib, sys; print(hashlib.md5(sys.prefix.encode()).hexdigest()[:12])")
 
 # The CPU build of torch first (a plain `torch` requirement would pull a multi-GB CUDA build).
 install:
-	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ] && $(PYTHON) -c "from gramserve.model.loader import default_gguf_path as p; p()" 2>/dev/null; then \
+	@if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ] && [ $(STAMP) -nt Makefile ] && $(PYTHON) -c "from gramserve.model.loader import default_gguf_path as p; p()" 2>/dev/null; then \
 		echo "gramserve is installed in $$($(PYTHON) -c 'import sys; print(sys.prefix)') (rm $(STAMP) to reinstall)"; \
 	else \
 		set -e; \

@@ -55,7 +55,7 @@ def run_extract(ns: argparse.Namespace, args: ServerArgs) -> int:
             "the same command again goes on from there",
             file=sys.stderr,
         )
-        return 130
+        return 128 + _interrupted_by[-1]  # the shell's convention: 130 for Ctrl-C, 143 for SIGTERM
     print(summary.text(), file=sys.stderr)
     if ns.summary_json:
         with open(ns.summary_json, "w") as f:
@@ -64,7 +64,11 @@ def run_extract(ns: argparse.Namespace, args: ServerArgs) -> int:
     return 1 if summary.invalid or nothing_extracted else 0
 
 
-def _interrupt(_signum, _frame) -> None:
+_interrupted_by = [signal.SIGINT]
+
+
+def _interrupt(signum, _frame) -> None:
+    _interrupted_by.append(signum)
     raise KeyboardInterrupt
 
 

@@ -250,8 +250,10 @@ class ServerArgs:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{_flag(name)} must be more than 0, got {getattr(self, name)}")
+        if self.request_timeout == 0:  # as before these checks: no limit
+            object.__setattr__(self, "request_timeout", None)
         if self.request_timeout is not None and not self.request_timeout > 0:
-            raise ValueError(f"--request-timeout must be more than 0 (unset: no limit), got {self.request_timeout}")
+            raise ValueError(f"--request-timeout must be 0 (no limit) or more, got {self.request_timeout}")
         for name in ("shutdown_timeout", "max_queued_requests", "chunked_prefill_size", "max_consecutive_prefills"):
             value = getattr(self, name)
             if value is not None and value < 0:

@@ -162,8 +162,8 @@ def test_extract_never_deletes_lines_it_did_not_write(tmp_path):
 
 
 def test_an_interrupted_extract_says_how_to_go_on(tmp_path):
-    """SIGTERM (as Ctrl-C) mid-job: exit 130 with a line saying the same command resumes, no traceback (Ctrl-C
-    printed asyncio's KeyboardInterrupt traceback; SIGTERM exited without a word)."""
+    """SIGTERM (handled as Ctrl-C) mid-job: exit 143 (130 for Ctrl-C) with a line saying the same command resumes,
+    no traceback (Ctrl-C printed asyncio's KeyboardInterrupt traceback; SIGTERM exited without a word)."""
     schema, docs, out = tmp_path / "person.json", tmp_path / "docs.jsonl", tmp_path / "out.jsonl"
     schema.write_text(json.dumps(SCHEMA))
     docs.write_text("".join(json.dumps({"id": f"d{i}", "text": GOOD[i % 4][1]}) + "\n" for i in range(400)))
@@ -176,5 +176,5 @@ def test_an_interrupted_extract_says_how_to_go_on(tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     err = proc.communicate(timeout=120)[1]
-    assert proc.returncode == 130 and "the same command again goes on from there" in err, err[-3000:]
+    assert proc.returncode == 143 and "the same command again goes on from there" in err, err[-3000:]
     assert "Traceback" not in err and 2 <= len(out.read_text().splitlines()) < 400

@@ -111,6 +111,18 @@ def test_nonexistent_model_exits_quickly_with_a_clear_message(ipc_tmp):
     assert not glob.glob(os.path.join(ipc_tmp, "gramserve-ipc-*")), "IPC folder left behind"
 
 
+def test_process_names_stay_apart_in_15_bytes():
+    from gramserve.server.processes import process_name
+
+    children = ["detokenizer", "dp-controller", "scheduler", "grammar-worker", "tp-worker-1"]
+    for replica in (0, 1):
+        children += [f"scheduler-dp{replica}", f"tp-worker-dp{replica}-1", f"tp-worker-dp{replica}-3"]
+        children += [f"grammar-worker{k}-dp{replica}" for k in range(12)]
+    names = [process_name(c) for c in children]
+    assert all(len(n.encode()) <= 15 for n in names) and len(set(names)) == len(names), names
+    assert process_name("scheduler") == "gs-scheduler" and process_name("scheduler-dp1") == "gs-sched-dp1"
+
+
 def test_a_busy_port_and_bad_limits_are_refused_before_the_model_loads():
     """A port in use or a host that does not resolve fails before the model loads (it failed after the load and
     the warm-up, blaming the detokenizer); a negative timeout was accepted and served every request a 503."""
@@ -123,7 +135,7 @@ def test_a_busy_port_and_bad_limits_are_refused_before_the_model_loads():
             (["--port", port], "Address already in use"),
             (["--host", "no-such-host.invalid", "--port", str(free_port())], "cannot listen on no-such-host.invalid"),
             (["--watchdog-timeout", "-1"], "--watchdog-timeout must be more than 0"),
-            (["--request-timeout", "-1"], "--request-timeout must be more than 0"),
+            (["--request-timeout", "-1"], "--request-timeout must be 0 (no limit) or more"),
             (["--shutdown-timeout", "-3"], "--shutdown-timeout must be 0 or more"),
             (["--max-running-requests", "100000000"], "--max-running-requests must be at most"),
             (["--log-level", "bogus"], "--log-level must be one of"),

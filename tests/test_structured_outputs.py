@@ -333,6 +333,7 @@ def test_logprob_bytes_of_tokens_holding_part_of_a_character(base_url, model_nam
     assert choice["message"]["content"] == "\U0001f389\U0001f600 caf\u00e9"
     # The completions API: such tokens are written bytes:\\xNN..., and each text_offset is where its character starts.
     body = {"model": model_name, "prompt": "Party!", "max_tokens": 10, "guided_choice": body["guided_choice"]}
+    body["temperature"] = 0  # one tokenization of the choice for both requests below
     r = httpx.post(base_url + "/v1/completions", json={**body, "logprobs": 1}, timeout=60)
     assert r.status_code == 200, r.text
     text, lp = r.json()["choices"][0]["text"], r.json()["choices"][0]["logprobs"]
@@ -755,6 +756,13 @@ def test_misplaced_or_misspelt_constraints_are_refused_not_dropped(base_url, mod
     assert r.status_code == 400 and "regex must be inside sampling_params" in r.json()["error"]["message"], r.text
     r = completions(max_tokens=5, grammar_backend="bogus")
     assert r.status_code == 400 and r.json()["error"]["param"] == "grammar_backend", r.text
+    r = completions(max_tokens=5, structured_outputs={"regex": "a", "backend": ["x"]})  # was a 500
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs.backend", r.text
+    r = completions(max_tokens=5, guided_json=1)  # not read as true
+    assert r.status_code == 400, r.text
+    vllm = {"regex": "[ab]{2}", "disable_additional_properties": True, "_backend": "xgrammar"}  # asdict() of vLLM's
+    r = completions(max_tokens=4, structured_outputs=vllm, temperature=0)
+    assert r.status_code == 200 and re.fullmatch("[ab]{2}", r.json()["choices"][0]["text"]), r.text
     for backend in ("guidance", "xgrammar:disable-any-whitespace"):
         r = completions(max_tokens=6, guided_regex="[ab]{1,4}", guided_decoding_backend=backend, temperature=0)
         assert r.status_code == 200 and re.fullmatch("[ab]{1,4}", r.json()["choices"][0]["text"]), r.text

@@ -349,6 +349,7 @@ class GrammarService:
         try:
             self.matchers[rid] = self.backend(backend).matcher(compiled)
             self._unfilled.add(rid)
+            self.surrogates.forget(rid)
             if self.state_keys is not None:
                 self.state_keys.start(rid, (backend, grammar.kind, grammar.text))
             if self.options.loop_guard and grammar.kind in LOOP_GUARDED_KINDS:

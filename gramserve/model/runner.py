@@ -240,6 +240,7 @@ class ModelRunner:
         per_token = KVCache.bytes_per_token(
             self.config.num_layers, self.model.part.num_kv_heads, self.config.head_dim, self.dtype
         )
+        host_available = available_memory_bytes()
         if self.cfg.kv_cache_memory_gb is not None:
             budget = self.cfg.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
@@ -260,18 +261,17 @@ class ModelRunner:
                 "mem_fraction_static": self.cfg.mem_fraction_static,
             }
         else:  # MemAvailable, not free pages: page cache counts (free pages moved the pool 16k-46k between starts)
-            avail = available_memory_bytes() or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-            budget = min(2 * 2**30, 0.2 * avail)
+            free_pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(2 * 2**30, 0.2 * (host_available or free_pages))
         slots = int(budget // per_token)
         # More slots than every running request at full context could use would be wasted memory.
         slots = min(slots, max_running_requests * self.context_length)
-        avail = available_memory_bytes()
-        if self.device.type == "cpu" and avail is not None and slots * per_token > 0.9 * avail:
+        if self.device.type == "cpu" and host_available is not None and slots * per_token > 0.9 * host_available:
             # Asked for with --kv-cache-memory-gb: past what the host has, the pool's first use got the process
             # killed by the kernel's OOM killer, with nothing said.
             raise RuntimeError(
                 f"--kv-cache-memory-gb {self.cfg.kv_cache_memory_gb}: a KV pool of {slots * per_token / 2**30:.1f} "
-                f"GiB does not fit in the {avail / 2**30:.1f} GiB of memory available; give less"
+                f"GiB does not fit in the {host_available / 2**30:.1f} GiB of memory available; give less"
             )
         if slots < self.context_length // 4:
             raise RuntimeError(f"KV budget of {budget / 2**30:.2f} GiB holds only {slots} tokens; give more memory")

@@ -36,35 +36,48 @@ def launch_server(args: ServerArgs) -> int:
             logger.error("%s", exc)
             return 1
     try:
-        listener = bind_listener(args.host, args.port)  # before the model loads: a busy port fails in a second
+        listeners = bind_listeners(args.host, args.port)  # before the model loads: a busy port fails in a second
     except OSError as exc:
         print(f"gramserve serve: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
     try:
-        engine = start_engine_processes(args)
-    except (StartupError, ValueError) as exc:
-        logger.error("%s", exc)
-        listener.close()
-        return 1
-    try:
-        return _serve(engine, listener)
+        try:
+            engine = start_engine_processes(args)
+        except (StartupError, ValueError) as exc:
+            logger.error("%s", exc)
+            return 1
+        try:
+            return _serve(engine, listeners)
+        finally:
+            engine.stop()
     finally:
-        engine.stop()
-        listener.close()
+        for sock in listeners:
+            sock.close()
 
 
-def bind_listener(host: str, port: int) -> socket.socket:
-    """The server's socket, bound (uvicorn listens on it once the engine is up)."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    family, kind, proto, _, address = infos[0]
-    sock = socket.socket(family, kind, proto)
+def bind_listeners(host: str, port: int) -> list[socket.socket]:
+    """The server's sockets, listening (connections wait in the backlog until the engine is up and uvicorn serves
+    them): one per address the host resolves to, as asyncio's create_server binds them ("" or "0.0.0.0" / "::"
+    for every interface)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    addresses = list(dict.fromkeys((family, address) for family, _, _, _, address in infos))
+    socks: list[socket.socket] = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait TIME_WAIT
-        sock.bind(address)
+        for family, address in addresses:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: no wait for TIME_WAIT
+            if family == socket.AF_INET6:  # as asyncio: "::" beside "0.0.0.0" must not take IPv4 too
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+            # Listening now, not once the model is loaded: a bound socket that does not listen leaves the port to
+            # a second server with SO_REUSEADDR (both would load, and one fail at the end).
+            sock.listen(2048)
     except OSError:
-        sock.close()
+        for sock in socks:
+            sock.close()
         raise
-    return sock
+    return socks
 
 
 class _Server(uvicorn.Server):
@@ -78,7 +91,8 @@ class _Server(uvicorn.Server):
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def startup_summary(config: ServerConfig, runner_info: dict) -> str:
+def startup_summary(config: ServerConfig, runner_info: dict, port: int | None = None) -> str:
+    """The start-up log line; `port`: the one listened on (--port 0 picks one)."""
     args, settings = config.args, config.settings
     parts = [
         f"model {args.model_name}",
@@ -96,13 +110,14 @@ def startup_summary(config: ServerConfig, runner_info: dict) -> str:
         f"reasoning {args.reasoning_parser or 'off'}",
         f"API key {'on' if args.api_key else 'off'}",
     ]
-    return f"serving on http://{args.host}:{args.port}: " + ", ".join(parts)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    return f"serving on http://{host}:{args.port if port is None else port}: " + ", ".join(parts)
 
 
 FLUSH_S = 1.0  # after failing the requests in flight: time for their error answers to reach the clients
 
 
-def _serve(engine: EngineProcesses, listener: socket.socket) -> int:
+def _serve(engine: EngineProcesses, listeners: list[socket.socket]) -> int:
     from gramserve.server.app import create_app
     from gramserve.server.metrics import RequestMetrics
     from gramserve.server.tokenizer_manager import TokenizerManager
@@ -164,14 +179,14 @@ def _serve(engine: EngineProcesses, listener: socket.socket) -> int:
         server.should_exit = True
 
     engine.watch(on_child_death, lambda: server.should_exit)
-    logger.info("%s", startup_summary(config, runner_info))
+    logger.info("%s", startup_summary(config, runner_info, listeners[0].getsockname()[1]))
     if args.host not in LOOPBACK_HOSTS and not args.api_key:
         logger.warning(
             "listening on %s without an API key: anyone who can reach this port can use the server "
             "(--api-key or GRAMSERVE_API_KEY)",
             args.host,
         )
-    server.run(sockets=[listener])
+    server.run(sockets=listeners)
     if dead:
         return 1
     return 0 if server.started else 1

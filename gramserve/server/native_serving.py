@@ -22,20 +22,6 @@ from gramserve.server.tokenizer_manager import GenerateOutput, TokenizerManager
 
 INLINE_ENCODE_CHARS = 64 * 1024  # longer texts are tokenized off the event loop
 
-# sampling_params keys that constrain the output (structured_outputs.py reads them) rather than sample
-NATIVE_GRAMMAR_KEYS = frozenset(
-    {
-        "json_schema",
-        "regex",
-        "ebnf",
-        "structural_tag",
-        "choice",
-        "grammar_backend",
-        "response_format",
-        "structured_outputs",
-    }
-)
-
 
 @dataclass
 class NativeSetup:
@@ -87,7 +73,7 @@ class NativeServing:
         else:
             input_ids = tm.encode(req.text)
         sampling = dict(req.sampling_params)
-        fields = {k: sampling.pop(k) for k in list(sampling) if k in NATIVE_GRAMMAR_KEYS}
+        fields = {k: sampling.pop(k) for k in list(sampling) if k in P.NATIVE_GRAMMAR_KEYS}
         grammar = grammar_from_fields(fields, self.args)
         params = native_sampling_params(sampling, tm.vocab_size)
         check_prompt(input_ids, params.max_new_tokens, tm.vocab_size, tm.context_length, "prompt")

@@ -197,8 +197,20 @@ def set_nccl_environment() -> None:
 
 def _child_entry(target, config: ServerConfig, pipe) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    _name_process("gs-" + mp.current_process().name.replace("grammar-worker", "grammar"))  # 15 bytes at most
+    _name_process(process_name(mp.current_process().name))
     target(config, pipe)
+
+
+# Linux keeps 15 bytes of a process name: replicas' and ranks' names are shortened to stay apart.
+SHORT_NAMES = (("grammar-worker", "gram"), ("scheduler", "sched"), ("tp-worker", "tp"), ("dp-controller", "dpctl"))
+
+
+def process_name(child: str) -> str:
+    """What `ps -o comm` shows for the child named `child` (gs-scheduler, gs-detokenizer, gs-gram0-dp1, ...)."""
+    name = "gs-" + child.replace("grammar-worker", "grammar")
+    if len(name) > 15:
+        name = "gs-" + functools.reduce(lambda n, pair: n.replace(*pair), SHORT_NAMES, child)
+    return name[:15]
 
 
 def _name_process(name: str) -> None:

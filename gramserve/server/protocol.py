@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_serializer, model_validator
 
 # Ranges checked where a request is parsed, so no value can overflow a C integer further in.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # any 64-bit seed, signed or not
@@ -64,10 +64,10 @@ class SamplingFields(BaseModel):
     response_format: Optional[dict[str, Any]] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
-    json_schema: Optional[Union[dict[str, Any], bool, str]] = None  # true / false: JSON Schema's boolean schemas
+    json_schema: Optional[Union[dict[str, Any], StrictBool, str]] = None  # true / false: JSON Schema's boolean schemas
     structural_tag: Optional[Union[dict[str, Any], str]] = None
     structured_outputs: Optional[dict[str, Any]] = None
-    guided_json: Optional[Union[dict[str, Any], bool, str]] = None
+    guided_json: Optional[Union[dict[str, Any], StrictBool, str]] = None
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
@@ -198,18 +198,18 @@ class NativeSamplingParams(BaseModel):
     no_stop_trim: Optional[bool] = None  # SGLang's: the matched stop string ends the text
 
 
-# every key /generate reads from sampling_params
-NATIVE_SAMPLING_KEYS = frozenset(NativeSamplingParams.model_fields) | {
-    "n",
-    "json_schema",
-    "regex",
-    "ebnf",
-    "structural_tag",
-    "choice",
-    "grammar_backend",
-    "response_format",
-    "structured_outputs",
-}
+# sampling_params keys that constrain the output (structured_outputs.py reads them) rather than sample
+NATIVE_GRAMMAR_KEYS = frozenset(
+    ("json_schema", "regex", "ebnf", "structural_tag", "choice", "grammar_backend", "response_format")
+    + ("structured_outputs",)
+)
+# refused at /generate's top level, where they would be ignored: sampling_params keys, and OpenAI's / vLLM's names
+# of them that clients used to those APIs put there
+MISPLACED_NATIVE_KEYS = (
+    frozenset(NativeSamplingParams.model_fields)
+    | NATIVE_GRAMMAR_KEYS
+    | {"n", "max_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend"}
+)
 _Rid = Annotated[str, Field(min_length=1, max_length=256)]
 
 
@@ -234,7 +234,7 @@ class GenerateRequest(BaseModel):
     def _nothing_misplaced(self) -> "GenerateRequest":
         """SGLang's other top-level fields pass (extra="allow"); a sampling or constraint key there is refused: it
         would be ignored, and a `regex` beside `sampling_params` left the output unconstrained."""
-        misplaced = sorted(set(self.model_extra or ()) & NATIVE_SAMPLING_KEYS)
+        misplaced = sorted(set(self.model_extra or ()) & MISPLACED_NATIVE_KEYS)
         if misplaced:
             raise ValueError(f"{', '.join(misplaced)} must be inside sampling_params")
         return self

@@ -25,13 +25,21 @@ BACKENDS = ("xgrammar", "llguidance", "outlines", "auto")
 BACKEND_ALIASES = {"guidance": "llguidance"}
 VLLM_BACKEND_OPTIONS = ("disable-any-whitespace", "disable-fallback", "no-fallback", "no-additional-properties")
 # structured_outputs keys besides the constraints: vLLM's options this server has no use for (see above)
-STRUCTURED_OUTPUTS_OPTIONS = ("backend", "disable_fallback", "disable_any_whitespace", "whitespace_pattern")
+STRUCTURED_OUTPUTS_OPTIONS = (
+    "backend",
+    "disable_fallback",
+    "disable_any_whitespace",
+    "disable_additional_properties",
+    "whitespace_pattern",
+)
 STRUCTURED_OUTPUTS_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def checked_backend(backend: Any, param: str = "grammar_backend") -> str:
-    name = backend.split(":", 1)[0] if isinstance(backend, str) else backend
-    options = backend.split(":", 1)[1].split(",") if isinstance(backend, str) and ":" in backend else []
+    if not isinstance(backend, str):
+        raise InvalidRequestError(f"{param} must be one of {list(BACKENDS)}, got {backend!r}", param)
+    name = backend.split(":", 1)[0]
+    options = backend.split(":", 1)[1].split(",") if ":" in backend else []
     name = BACKEND_ALIASES.get(name, name)
     if name not in BACKENDS or any(o not in VLLM_BACKEND_OPTIONS for o in options):
         raise InvalidRequestError(f"{param} must be one of {list(BACKENDS)}, got {backend!r}", param)
@@ -153,7 +161,8 @@ def grammar_from_fields(fields: dict[str, Any], args: ServerArgs) -> GrammarRequ
     if so is not None:
         if not isinstance(so, dict):
             raise InvalidRequestError("structured_outputs must be an object", "structured_outputs")
-        unknown = sorted(set(so) - set(STRUCTURED_OUTPUTS_KINDS) - set(STRUCTURED_OUTPUTS_OPTIONS))
+        known = set(STRUCTURED_OUTPUTS_KINDS) | set(STRUCTURED_OUTPUTS_OPTIONS)
+        unknown = sorted(k for k in so if k not in known and not k.startswith("_"))  # _backend: vLLM's own fields
         if unknown:  # a misspelt key left the output unconstrained
             raise InvalidRequestError(
                 f"structured_outputs has unknown keys {unknown}; it takes one of {list(STRUCTURED_OUTPUTS_KINDS)}",
