@@ -241,3 +241,6 @@ def test_bounds_hold_as_a_double_too():
     }
     assert c.check_now(grammar(draft4), "1").error is not None
     assert c.check_now(grammar(draft4), "0.5").error is None
+    # ... and hold as a double too (draft 4's exclusive bounds were checked exactly only)
+    assert "as a double" in c.check_now(grammar(draft4), "0.99999999999999999999").error
+    assert c.check_now(grammar({**draft4, "exclusiveMaximum": False}), "1").error is None

@@ -710,3 +710,23 @@ def test_a_function_without_parameters_takes_none(client, model_name):
         )
         calls = out.choices[0].message.tool_calls
         assert calls and all(c.function.name == "now" and json.loads(c.function.arguments) == {} for c in calls), out
+
+
+def test_parameters_without_a_type_still_take_an_object(client, model_name):
+    """{"properties": ...} alone (as MCP servers write tool schemas) allowed any JSON value: a random-weight model
+    wrote `false`, strings and arrays as arguments. The tool's schema is read as an object's."""
+    from gramserve.config import ServerArgs
+    from gramserve.server import protocol as P
+    from gramserve.server.tool_requests import plan_tools
+
+    params = {"properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    messages = [{"role": "user", "content": "Call f."}]
+    req = P.ChatCompletionRequest(model=model_name, messages=messages, tools=tools, tool_choice="required")
+    assert plan_tools(req, "hermes", ServerArgs()).tools[0].parameters == {"type": "object", **params}
+    r = client.chat.completions.create(
+        model=model_name, messages=messages, tools=tools, tool_choice="required", temperature=1.0, n=3, seed=3
+    )
+    for choice in r.choices:
+        for call in choice.message.tool_calls or []:
+            jsonschema.validate(json.loads(call.function.arguments), {"type": "object", **params})

@@ -113,9 +113,10 @@ def _multiple_of_keyword(validator, divisor, instance, schema):
 
 
 def _bound_keyword(name: str, holds: Callable[[Any, Any], bool]):
-    """A numeric bound (drafts 6 on, where the exclusive bounds are numbers) that the number meets both exactly and
-    as a double, which is how most clients read it: 0.999999999999999969999 is under an exclusiveMaximum of 1, but
-    json.loads and pydantic read 1.0 (an output sampled so was returned as valid, and pydantic refused it)."""
+    """A numeric bound (drafts 6 on, where the exclusive bounds are numbers; drafts 3 and 4: below) that the number
+    meets both exactly and as a double, which is how most clients read it: 0.999999999999999969999 is under an
+    exclusiveMaximum of 1, but json.loads and pydantic read 1.0 (an output sampled so was returned as valid, and
+    pydantic refused it)."""
 
     def keyword(validator, bound, instance, schema):
         if not validator.is_type(instance, "number") or not validator.is_type(bound, "number"):
@@ -141,6 +142,30 @@ BOUND_KEYWORDS = {
     "maximum": _bound_keyword("maximum", lambda v, b: v <= b),
     "exclusiveMinimum": _bound_keyword("exclusiveMinimum", lambda v, b: v > b),
     "exclusiveMaximum": _bound_keyword("exclusiveMaximum", lambda v, b: v < b),
+}
+
+
+def _legacy_bound_keyword(name: str, exclusive_key: str, holds, holds_exclusive):
+    """Drafts 3 and 4's `minimum` / `maximum`, exclusive where the boolean `exclusive_key` says so, checked exactly
+    and as a double as `_bound_keyword` does."""
+
+    def keyword(validator, bound, instance, schema):
+        if not validator.is_type(instance, "number") or not validator.is_type(bound, "number"):
+            return
+        exclusive = schema.get(exclusive_key) is True
+        test, what = (holds_exclusive, f"exclusive {name}") if exclusive else (holds, name)
+        if not test(instance, bound):
+            yield ValidationError(f"{instance} does not meet the {what} {bound}")
+        elif isinstance(instance, Decimal) and not test(float(instance), _as_double(bound)):
+            as_double = float(instance)
+            yield ValidationError(f"{instance} does not meet the {what} {bound} once read as a double ({as_double!r})")
+
+    return keyword
+
+
+LEGACY_BOUND_KEYWORDS = {
+    "minimum": _legacy_bound_keyword("minimum", "exclusiveMinimum", lambda v, b: v >= b, lambda v, b: v > b),
+    "maximum": _legacy_bound_keyword("maximum", "exclusiveMaximum", lambda v, b: v <= b, lambda v, b: v < b),
 }
 
 
@@ -327,7 +352,7 @@ def _checking_class(draft):
     Schema; outputs are read as Decimals, which the default type checker calls numbers only)."""
     types = draft.TYPE_CHECKER.redefine("integer", _is_integer)
     numeric_exclusive = draft not in (jsonschema.Draft3Validator, jsonschema.Draft4Validator)  # booleans there
-    keywords = {**CHECK_KEYWORDS, **BOUND_KEYWORDS} if numeric_exclusive else CHECK_KEYWORDS
+    keywords = {**CHECK_KEYWORDS, **(BOUND_KEYWORDS if numeric_exclusive else LEGACY_BOUND_KEYWORDS)}
     return jsonschema.validators.extend(draft, keywords, type_checker=types)
 
 

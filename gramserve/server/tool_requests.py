@@ -80,6 +80,10 @@ def plan_tools(req: P.ChatCompletionRequest, parser_name: str, args: ServerArgs)
                 f'the parameters of tool {fn.name!r} must be a JSON schema of type "object", got {params["type"]!r}',
                 "tools",
             )
+        if isinstance(params, dict) and "type" not in params:
+            # {"properties": ...} alone (MCP servers send such schemas) allows any JSON value: the arguments came
+            # back as false, a string or an array. OpenAI's arguments are an object.
+            params = {"type": "object", **params}
         tools.append(ToolFunction(name=fn.name, parameters=params, description=fn.description, strict=bool(fn.strict)))
     choice = req.tool_choice or "auto"
     function = None
