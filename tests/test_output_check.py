@@ -244,3 +244,21 @@ def test_bounds_hold_as_a_double_too():
     # ... and hold as a double too (draft 4's exclusive bounds were checked exactly only)
     assert "as a double" in c.check_now(grammar(draft4), "0.99999999999999999999").error
     assert c.check_now(grammar({**draft4, "exclusiveMaximum": False}), "1").error is None
+
+
+def test_a_required_call_the_parser_cannot_read_fails_the_check():
+    """The pythonic grammar allows a number past the doubles (a=1114E492136051623994), which the parser cannot turn
+    into JSON arguments: a required call came back as content with finish_reason stop. Cut at max_tokens, an output
+    without a whole call stays what it is ("length")."""
+    from dataclasses import replace
+
+    from gramserve.parsers.tool_calls import TOOL_CALL_PARSERS, ToolFunction
+    from gramserve.server.tool_requests import ToolPlan
+
+    params = {"type": "object", "properties": {"a": {"type": "number"}}, "required": ["a"]}
+    plan = ToolPlan([ToolFunction("add", params)], "required", None, True, TOOL_CALL_PARSERS["pythonic"])
+    c = OutputChecker()
+    assert c.check_now(plan, "[add(a=1.5)]").error is None
+    assert "holds no call" in c.check_now(plan, "[add(a=1114E492136051623994)]").error
+    assert c.check_now(replace(plan, whole=False), "[add(a=1114E492136051623994)]").error is None
+    assert c.check_now(replace(plan, mode="auto"), "no call today").error is None

@@ -492,7 +492,7 @@ class TokenizerManager:
                     if ended:
                         out = await self._last_check(rid, target, "".join(text), out)
                     elif cut_calls:  # only the calls: an answer cut at max_tokens is not checked (it is "length")
-                        out = await self._last_check(rid, replace(target, answer=None), "".join(text), out)
+                        out = await self._last_check(rid, replace(target, answer=None, whole=False), "".join(text), out)
                 yield out
                 started = True
                 if out.finished is not None:

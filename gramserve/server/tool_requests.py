@@ -40,6 +40,8 @@ class ToolPlan:
     parser_cls: type[ToolCallParser]
     # `auto` with a JSON response format: the text answer (an output without calls) follows this constraint
     answer: GrammarRequest | None = None
+    # the output ended on its own (not cut at max_tokens): a required or named call must be in it (the last check)
+    whole: bool = True
 
     @property
     def parses_calls(self) -> bool:
