@@ -127,6 +127,8 @@ class ServerArgs:
     request_timeout: float | None = None
     # SIGTERM / Ctrl-C: requests running may finish for this long (seconds), then the rest fail with a 503
     shutdown_timeout: float = 30.0
+    # CORS, as vLLM's and SGLang's servers answer browsers by default ("*"); no origins: no CORS headers at all
+    allowed_origins: tuple[str, ...] = ("*",)
     # chat_template_kwargs.chat_template: a request may bring its own Jinja template only when this is on
     allow_request_chat_template: bool = False
     log_level: str = "info"
@@ -207,6 +209,7 @@ class ServerArgs:
         if self.lora_target_modules is not None:
             object.__setattr__(self, "lora_target_modules", tuple(self.lora_target_modules))
         object.__setattr__(self, "allowed_media_domains", tuple(d.lower() for d in self.allowed_media_domains))
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
         names = ("max_file_bytes", "batch_max_requests", "batch_max_in_flight", "max_loras_per_batch")
         names += ("context_length", "max_running_requests", "max_n", "num_threads", "cpu_kernel_threads")
         names += ("max_image_bytes", "max_image_pixels", "max_images_per_request")
@@ -454,6 +457,14 @@ class ServerArgs:
             type=float,
             default=defaults.shutdown_timeout,
             help="on SIGTERM / Ctrl-C, seconds running requests may take to finish before they fail with a 503",
+        )
+        parser.add_argument(
+            "--allowed-origins",
+            nargs="*",
+            default=list(defaults.allowed_origins),
+            metavar="ORIGIN",
+            help="origins browsers may call the API from (CORS; default: any, as vLLM and SGLang); "
+            "the flag alone: no CORS headers",
         )
         parser.add_argument(
             "--allow-request-chat-template",

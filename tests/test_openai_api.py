@@ -263,6 +263,11 @@ def test_logprobs(client, model_name):
     comp = client.completions.create(model=model_name, prompt="Hello", max_tokens=4, temperature=0, logprobs=2)
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == 4 and len(lp.top_logprobs) == 4 and all(len(t) == 2 for t in lp.top_logprobs)
+    # As OpenAI: the sampled token is always among them (up to logprobs + 1 entries); logprobs 0 gives it alone.
+    hot = client.completions.create(model=model_name, prompt="Hello", max_tokens=6, temperature=1.5, logprobs=0, seed=1)
+    lp = hot.choices[0].logprobs
+    assert [list(t) for t in lp.top_logprobs] == [[tok] for tok in lp.tokens]
+    assert [t[tok] for t, tok in zip(lp.top_logprobs, lp.tokens)] == lp.token_logprobs
 
 
 def test_logit_bias(client, model_name, base_url):
@@ -622,3 +627,20 @@ def test_sse_events_survive_splitlines():
         data_line, blank = event.splitlines()
         assert blank == "" and data_line.startswith("data: ")
         assert json.loads(data_line[6:])["text"].startswith("a\u2028b")
+
+
+def test_browsers_may_call_the_api_and_audio_is_refused(base_url, model_name):
+    """CORS as vLLM and SGLang answer it by default (a preflight got a 405, so browser clients could not call the
+    API); a request for audio output got a 200 with text only."""
+    headers = {"Origin": "http://app.example", "Access-Control-Request-Method": "POST"}
+    headers["Access-Control-Request-Headers"] = "authorization"
+    pre = httpx.options(base_url + "/v1/chat/completions", headers=headers)
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] in ("*", "http://app.example"), pre
+    got = httpx.get(base_url + "/v1/models", headers={"Origin": "http://app.example"})
+    assert got.status_code == 200 and "access-control-allow-origin" in got.headers
+    body = {"model": model_name, "messages": CHAT, "max_tokens": 2}
+    for extra in ({"modalities": ["text", "audio"]}, {"audio": {"voice": "alloy", "format": "wav"}}):
+        r = httpx.post(base_url + "/v1/chat/completions", json={**body, **extra}, timeout=60)
+        assert r.status_code == 400 and "audio" in r.json()["error"]["message"], r.text
+    r = httpx.post(base_url + "/v1/chat/completions", json={**body, "modalities": ["text"]}, timeout=60)
+    assert r.status_code == 200, r.text

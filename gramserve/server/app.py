@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from gramserve.config import ServerConfig
 from gramserve.server.admin_api import admin_router
@@ -57,5 +58,9 @@ def create_app(config: ServerConfig, tm: TokenizerManager, runner_info: dict) ->
     app.add_middleware(BodyLimitMiddleware, max_bytes=args.max_request_bytes, path_limits={"/v1/files": upload_limit})
     # Added after, so it runs before: a request without its key is refused before its body is read.
     app.add_middleware(ApiKeyMiddleware, policy=key_policy(args.api_key, args.admin_api_key, args.metrics_require_key))
+    if args.allowed_origins:  # outside the key check: a browser's preflight carries no key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(args.allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, refusals included, has an id and a log line
     return app

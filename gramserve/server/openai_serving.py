@@ -499,7 +499,9 @@ class OpenAIServing:
         for lp in lps:
             out.tokens.append(self._token_label(lp.token_id))
             out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({self._token_label(i): v for i, v in lp.top})
+            top = {self._token_label(i): v for i, v in lp.top}
+            top.setdefault(out.tokens[-1], lp.logprob)  # as OpenAI: the sampled token too (up to logprobs + 1)
+            out.top_logprobs.append(top)
             out.text_offset.append(offsets.advance(bytes(self.tm.token_bytes(lp.token_id))))
         return out
 

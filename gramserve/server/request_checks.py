@@ -35,6 +35,9 @@ def chat_top_logprobs(req: P.ChatCompletionRequest) -> int | None:
 def check_chat_messages(req: P.ChatCompletionRequest) -> None:
     if not req.messages:
         raise InvalidRequestError("messages must not be empty", "messages")
+    extra = req.model_extra or {}
+    if extra.get("audio") is not None or "audio" in (extra.get("modalities") or ()):  # answered as text, silently
+        raise InvalidRequestError("this model answers in text only: audio output is not served", "modalities")
 
 
 def check_completion_options(req: P.CompletionRequest) -> None:
