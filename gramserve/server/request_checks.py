@@ -36,7 +36,9 @@ def check_chat_messages(req: P.ChatCompletionRequest) -> None:
     if not req.messages:
         raise InvalidRequestError("messages must not be empty", "messages")
     extra = req.model_extra or {}
-    if extra.get("audio") is not None or "audio" in (extra.get("modalities") or ()):  # answered as text, silently
+    modalities = extra.get("modalities")
+    asked = modalities if isinstance(modalities, (list, tuple)) else [modalities]
+    if extra.get("audio") is not None or "audio" in asked:  # it was answered as text, silently
         raise InvalidRequestError("this model answers in text only: audio output is not served", "modalities")
 
 
