@@ -21,6 +21,7 @@ import functools
 import json
 import logging
 import math
+import operator
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -112,20 +113,23 @@ def _multiple_of_keyword(validator, divisor, instance, schema):
         yield ValidationError(f"{text if len(text) <= 40 else text[:37] + '...'} is not a multiple of {divisor}")
 
 
-def _bound_keyword(name: str, holds: Callable[[Any, Any], bool]):
-    """A numeric bound (drafts 6 on, where the exclusive bounds are numbers; drafts 3 and 4: below) that the number
-    meets both exactly and as a double, which is how most clients read it: 0.999999999999999969999 is under an
-    exclusiveMaximum of 1, but json.loads and pydantic read 1.0 (an output sampled so was returned as valid, and
-    pydantic refused it)."""
+def _bound_keyword(name: str, holds: Callable[[Any, Any], bool], exclusive_key: str = "", holds_exclusive=None):
+    """A numeric bound that the number meets both exactly and as a double, which is how most clients read it:
+    0.999999999999999969999 is under an exclusiveMaximum of 1, but json.loads and pydantic read 1.0 (an output
+    sampled so was returned as valid, and pydantic refused it). Drafts 3 and 4 (`exclusive_key`): `minimum` /
+    `maximum` are exclusive where that boolean says so, tested with `holds_exclusive`."""
 
     def keyword(validator, bound, instance, schema):
         if not validator.is_type(instance, "number") or not validator.is_type(bound, "number"):
             return
-        if not holds(instance, bound):
-            yield ValidationError(f"{instance} does not meet the {name} {bound}")
-        elif isinstance(instance, Decimal) and not holds(float(instance), _as_double(bound)):
+        test, what = holds, name
+        if exclusive_key and schema.get(exclusive_key) is True:
+            test, what = holds_exclusive, f"exclusive {name}"
+        if not test(instance, bound):
+            yield ValidationError(f"{instance} does not meet the {what} {bound}")
+        elif isinstance(instance, Decimal) and not test(float(instance), _as_double(bound)):
             as_double = float(instance)
-            yield ValidationError(f"{instance} does not meet the {name} {bound} once read as a double ({as_double!r})")
+            yield ValidationError(f"{instance} does not meet the {what} {bound} once read as a double ({as_double!r})")
 
     return keyword
 
@@ -137,35 +141,15 @@ def _as_double(x) -> float:
         return math.copysign(math.inf, x)
 
 
-BOUND_KEYWORDS = {
-    "minimum": _bound_keyword("minimum", lambda v, b: v >= b),
-    "maximum": _bound_keyword("maximum", lambda v, b: v <= b),
-    "exclusiveMinimum": _bound_keyword("exclusiveMinimum", lambda v, b: v > b),
-    "exclusiveMaximum": _bound_keyword("exclusiveMaximum", lambda v, b: v < b),
+BOUND_KEYWORDS = {  # drafts 6 on, where the exclusive bounds are numbers
+    "minimum": _bound_keyword("minimum", operator.ge),
+    "maximum": _bound_keyword("maximum", operator.le),
+    "exclusiveMinimum": _bound_keyword("exclusiveMinimum", operator.gt),
+    "exclusiveMaximum": _bound_keyword("exclusiveMaximum", operator.lt),
 }
-
-
-def _legacy_bound_keyword(name: str, exclusive_key: str, holds, holds_exclusive):
-    """Drafts 3 and 4's `minimum` / `maximum`, exclusive where the boolean `exclusive_key` says so, checked exactly
-    and as a double as `_bound_keyword` does."""
-
-    def keyword(validator, bound, instance, schema):
-        if not validator.is_type(instance, "number") or not validator.is_type(bound, "number"):
-            return
-        exclusive = schema.get(exclusive_key) is True
-        test, what = (holds_exclusive, f"exclusive {name}") if exclusive else (holds, name)
-        if not test(instance, bound):
-            yield ValidationError(f"{instance} does not meet the {what} {bound}")
-        elif isinstance(instance, Decimal) and not test(float(instance), _as_double(bound)):
-            as_double = float(instance)
-            yield ValidationError(f"{instance} does not meet the {what} {bound} once read as a double ({as_double!r})")
-
-    return keyword
-
-
-LEGACY_BOUND_KEYWORDS = {
-    "minimum": _legacy_bound_keyword("minimum", "exclusiveMinimum", lambda v, b: v >= b, lambda v, b: v > b),
-    "maximum": _legacy_bound_keyword("maximum", "exclusiveMaximum", lambda v, b: v <= b, lambda v, b: v < b),
+LEGACY_BOUND_KEYWORDS = {  # drafts 3 and 4, where they are booleans beside minimum / maximum
+    "minimum": _bound_keyword("minimum", operator.ge, "exclusiveMinimum", operator.gt),
+    "maximum": _bound_keyword("maximum", operator.le, "exclusiveMaximum", operator.lt),
 }
 
 
