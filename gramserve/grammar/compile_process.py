@@ -156,8 +156,7 @@ def _normalized(schema: object, backend: GrammarBackend, relaxed: bool) -> tuple
     ints (integral_counts), unbounded strings and arrays bounded if the server asks (bound_unbounded), and with
     `relaxed` what no grammar enforces taken out (schema_relax.relax); then, for a backend that searches for
     patterns, unanchored patterns anchored at the start (anchor_patterns); patterns as Python's `re` reads them
-    (pattern_dialect). Returns the schema (the same object if
-    unchanged) and what was dropped."""
+    (pattern_dialect). Returns the schema (the same object if unchanged) and what was dropped."""
     options = backend.options
     rewritten = integral_counts(rewrite_not(hoist_deep_refs(drop_ref_annotations(schema))))
     rewritten = bound_unbounded(rewritten, options.max_string_length, options.max_array_items)

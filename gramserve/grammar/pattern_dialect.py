@@ -91,8 +91,13 @@ def dialect_patterns(schema: Any) -> Any:
     return out
 
 
-def _rewritten(node: dict) -> bool:
+def node_patterns(node: dict) -> list[str]:
+    """A schema node's regexes: its `pattern` and its `patternProperties` names."""
     patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
     if isinstance(node.get("patternProperties"), dict):
         patterns += list(node["patternProperties"])
-    return any(for_backends(p) != p for p in patterns)
+    return patterns
+
+
+def _rewritten(node: dict) -> bool:
+    return any(for_backends(p) != p for p in node_patterns(node))

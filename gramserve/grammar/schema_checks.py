@@ -58,10 +58,7 @@ def schema_problem(schema_text: str) -> str | None:
     for node, path in schema_nodes(schema):
         if node.get("enum") == []:
             return f"the JSON schema at {_pointer(path)} has an empty enum, which no value satisfies"
-        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
-        if isinstance(node.get("patternProperties"), dict):
-            patterns += list(node["patternProperties"])
-        for pattern in patterns:
+        for pattern in pattern_dialect.node_patterns(node):
             if why := pattern_dialect.problem(pattern):
                 return f"the JSON schema at {_pointer(path)} has a pattern with {why}: {pattern!r}"
             try:

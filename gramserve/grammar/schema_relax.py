@@ -23,9 +23,9 @@ from gramserve.grammar.backends.base import GrammarCompileError
 from gramserve.grammar.schema_audit import _oneof_overlaps, beyond_regular, without_lookaround
 from gramserve.grammar.schema_normalize import hoist_deep_refs, rewrite_not
 
-# Keywords a grammar cannot follow: dropped from the grammar, enforced by the last check.
 RELAXED = ":relaxed"  # the suffix of the backend name that served a schema relaxed ("llguidance:relaxed")
 
+# Keywords a grammar cannot follow: dropped from the grammar, enforced by the last check.
 UNGRAMMATICAL = (
     "not",
     "if",

@@ -27,6 +27,7 @@ from gramserve.server.request_checks import (
     check_completion_options,
     check_openai_options,
     check_prompt,
+    check_text_output,
 )
 from gramserve.server.request_id import engine_rid_base, response_id
 from gramserve.server.sampling_request import openai_sampling_params
@@ -282,6 +283,7 @@ class OpenAIServing:
             # The model thinks first: the constraint applies from the end of its reasoning on.
             grammar = replace(grammar, start_after=self.reasoning_cls.end_marker)
         check_chat_messages(req)
+        check_text_output(req)
         processor, urls = self.tm.images, []
         messages, tools = render_messages(
             req.messages,

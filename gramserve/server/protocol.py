@@ -200,8 +200,16 @@ class NativeSamplingParams(BaseModel):
 
 # sampling_params keys that constrain the output (structured_outputs.py reads them) rather than sample
 NATIVE_GRAMMAR_KEYS = frozenset(
-    ("json_schema", "regex", "ebnf", "structural_tag", "choice", "grammar_backend", "response_format")
-    + ("structured_outputs",)
+    {
+        "json_schema",
+        "regex",
+        "ebnf",
+        "structural_tag",
+        "choice",
+        "grammar_backend",
+        "response_format",
+        "structured_outputs",
+    }
 )
 # refused at /generate's top level, where they would be ignored: sampling_params keys, and OpenAI's / vLLM's names
 # of them that clients used to those APIs put there

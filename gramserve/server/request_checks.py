@@ -35,10 +35,15 @@ def chat_top_logprobs(req: P.ChatCompletionRequest) -> int | None:
 def check_chat_messages(req: P.ChatCompletionRequest) -> None:
     if not req.messages:
         raise InvalidRequestError("messages must not be empty", "messages")
+
+
+def check_text_output(req: P.ChatCompletionRequest) -> None:
+    """Only text is written: a request for audio output (OpenAI's `modalities`, `audio`) is refused, not answered
+    as text with a 200."""
     extra = req.model_extra or {}
     modalities = extra.get("modalities")
     asked = modalities if isinstance(modalities, (list, tuple)) else [modalities]
-    if extra.get("audio") is not None or "audio" in asked:  # it was answered as text, silently
+    if extra.get("audio") is not None or "audio" in asked:
         raise InvalidRequestError("this model answers in text only: audio output is not served", "modalities")
 
 
