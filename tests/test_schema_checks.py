@@ -108,3 +108,68 @@ def test_corpus_schemas_pass():
         if isinstance(schema, dict) and (problem := schema_problem(json.dumps(schema, ensure_ascii=False))):
             flagged[path.name] = problem
     assert not flagged, flagged
+
+
+def _python_metaschema_errors(schema: dict) -> list:
+    """Python jsonschema's verdict, which the Rust fast path of `_metaschema_error` must agree with."""
+    import jsonschema
+
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return [e for e in cls(cls.META_SCHEMA).iter_errors(schema) if e.validator != "uniqueItems"]
+
+
+def _broken(schema: dict, i: int) -> dict:
+    """The schema with one metaschema error put into a node of it (which kind and where depend on `i`)."""
+    import copy
+
+    from gramserve.grammar.schema_audit import schema_nodes
+
+    schema = copy.deepcopy(schema)
+    nodes = [node for node, _ in schema_nodes(schema)]
+    node = nodes[i % len(nodes)]
+    key, value = [("required", "x"), ("minLength", -1), ("type", "strng"), ("properties", []), ("enum", {})][i % 5]
+    node[key] = value
+    return schema
+
+
+@pytest.mark.skipif(not CORPUS.is_dir(), reason=f"corpus not found at {CORPUS}")
+def test_the_rust_metaschema_check_agrees_with_python_jsonschema():
+    """jsonschema-rs answers the metaschema check (0.02-0.3 ms against Python's 1-35 ms a schema, which a new
+    schema's first token waited for); it must flag exactly what Python's jsonschema flags, over real schemas of every
+    draft in the corpus and the same schemas each with an error put in."""
+    from gramserve.grammar.schema_checks import _metaschema_error
+
+    paths = stratified_sample(corpus_files(CORPUS), 25)
+    cases = []
+    for i, path in enumerate(paths):
+        schema, _ = load_case(path)
+        if isinstance(schema, dict):
+            cases += [schema, _broken(schema, i)]
+    assert len(cases) > 300
+    disagree = []
+    for schema in cases:
+        ours, python = _metaschema_error(schema), _python_metaschema_errors(schema)
+        if (ours is None) != (not python):
+            disagree.append((json.dumps(schema)[:200], ours, [e.message for e in python[:1]]))
+    assert not disagree, disagree
+    assert sum(_metaschema_error(s) is not None for s in cases) >= len(cases) // 2 - 5  # the broken ones
+
+
+@pytest.mark.parametrize(
+    "schema, invalid",
+    [
+        ({"$schema": "http://json-schema.org/draft-04/schema#", "type": "object", "required": []}, True),  # 4: 1+
+        ({"$schema": "http://json-schema.org/draft-07/schema", "type": "object", "required": []}, False),
+        ({"$schema": "http://json-schema.org/draft-03/schema#", "properties": {"a": {"required": True}}}, False),
+        ({"$schema": "https://example.com/no/such/metaschema", "type": "string"}, False),  # no fetch: Python decides
+        ({"$schema": 7, "type": "string"}, False),  # no draft to pick: no crash, the backends decide
+        ({"$schema": "https://json-schema.org/draft/2020-12/schema", "type": "object", "required": ["a", "a"]}, False),
+    ],
+)
+def test_metaschemas_of_every_draft_are_checked_offline(schema, invalid):
+    import time
+
+    started = time.monotonic()
+    problem = schema_problem(json.dumps(schema))
+    assert (problem is not None) == invalid, problem
+    assert time.monotonic() - started < 1.0  # nothing fetched over the network
