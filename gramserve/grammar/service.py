@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -179,6 +180,9 @@ class GrammarService:
         self.compile_processes = compile_processes
         self._compilers: dict[str, ProcessCompiler] = {}
         self.stats = {"compiled": 0, "cache_hits": 0, "shared": 0, "disk_hits": 0, "failed": 0, "timeouts": 0}
+        # Called (on the compiling thread) when a compile ends, so the worker's loop wakes for `poll_compiles` at
+        # once instead of at its next poll.
+        self.compile_done: Callable[[], None] | None = None
         if default_backend != "auto":
             self.backend(default_backend)
             if self._in_process(default_backend):
@@ -259,12 +263,17 @@ class GrammarService:
             self.pending[f.key] = f
             for rid in f.rids:
                 self._flight_of[rid] = f
+            f.future.add_done_callback(self._compile_ended)
             return []
         if f.best is not None:  # auto: a later candidate failed, the earlier one stands
             return self._conclude(f, "compiled")
         self.stats["failed"] += 1
         error = "; ".join(f.errors) or "grammar rejected"
         return self._answer_all(f, lambda rid: GrammarCompileResp(rid, None, error))
+
+    def _compile_ended(self, _future) -> None:
+        if self.compile_done is not None:
+            self.compile_done()
 
     def _refused_at_once(self, backend: str, grammar: GrammarRequest) -> str | None:
         """A refusal known without compiling: the audit of a backend that compiles in a worker process (no worker

@@ -11,7 +11,9 @@ protocol), straight from the sampler.
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import sys
 import time
 
@@ -30,6 +32,7 @@ from gramserve.messages import GrammarCompileReq, GrammarStepReq, GrammarStepRes
 logger = logging.getLogger(__name__)
 
 GIL_SWITCH_S = 0.0005
+WATCH_MS = 50  # poll period while requests wait for compiles (their time limits)
 
 
 def worker_name(shard: int, shards: int) -> str:
@@ -88,14 +91,21 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
     ready_pipe.send({"ok": True})
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    # A compile's end wakes the loop (a byte on this pipe), so its answer goes out at once.
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_read, False)
+    os.set_blocking(wake_write, False)
+    service.compile_done = functools.partial(_wake, wake_write)
+    poller.register(wake_read, zmq.POLLIN)
     busy_until = 0.0  # poll without sleeping until then (GrammarStepReq.busy_poll_ms)
     state = ShardState()
     try:
         while True:
-            # Poll quickly while requests wait for compiles, so their results go out promptly (not for challengers:
-            # on a CPU every wakeup takes a core from the forward).
-            timeout = 0 if time.monotonic() < busy_until else 2 if service.awaited else 1000
-            if poller.poll(timeout):
+            # While requests wait for compiles, a compile past its time limit is noticed within WATCH_MS.
+            timeout = 0 if time.monotonic() < busy_until else WATCH_MS if service.awaited else 1000
+            if events := dict(poller.poll(timeout)):
+                if wake_read in events:
+                    _drain(wake_read)
                 while True:
                     try:
                         msg = inbox.recv_pyobj(zmq.NOBLOCK)
@@ -107,10 +117,28 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
             for resp in service.poll_compiles():
                 to_scheduler.send_pyobj(resp)
     finally:
+        service.compile_done = None
         service.close()
+        os.close(wake_read)
+        os.close(wake_write)
         feed.close()
         del service
         shared.close()
+
+
+def _wake(fd: int) -> None:
+    try:
+        os.write(fd, b"x")
+    except BlockingIOError:  # the pipe is full: the loop has wakeups enough pending
+        pass
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def finish_compiles_for(service: GrammarService, rids: list[str], to_scheduler: zmq.Socket) -> None:
