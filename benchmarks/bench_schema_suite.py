@@ -371,18 +371,28 @@ async def new_grammar_ttft(http: Http, args: argparse.Namespace, model: str, g: 
     warm = request_body(model, f"{g.prompt} ({tag}-w)", 1, 0.0, {"ignore_eos": True})
     await chat(http, url, warm, args.timeout)
     free_body = request_body(model, f"{g.prompt} ({tag}-f)", 4, 0.0, {"ignore_eos": True})
+    first = await server_info(http, args.base_url)
     free = await chat(http, url, free_body, args.timeout)
     before = await server_info(http, args.base_url)
     body = request_body(model, f"{g.prompt} ({tag}-c)", 4, 0.0, g.body_fields(tag))
     new = await chat(http, url, body, args.timeout)
     after = await server_info(http, args.base_url)
-    hist_b = (before.get("grammar_compile_ms") or {}).get("sum_ms") or 0.0
-    hist_a = (after.get("grammar_compile_ms") or {}).get("sum_ms") or 0.0
+
+    def grew(a: dict, b: dict, *keys: str) -> float | None:
+        """How much a histogram's sum grew from report `a` to `b` (the one request's value)."""
+        for key in keys:
+            a, b = a.get(key) or {}, b.get(key) or {}
+        return b["sum_ms"] - (a.get("sum_ms") or 0.0) if "sum_ms" in b else None
+
     return {
         "free_ttft_ms": free.ttft * 1e3 if free.ok else None,
         "new_grammar_ttft_ms": new.ttft * 1e3 if new.ok else None,
         "ttft_ratio": ratio(new.ttft if new.ok else None, free.ttft if free.ok else None),
-        "compile_ms": hist_a - hist_b if after.get("grammar_compile_ms") else None,
+        "compile_ms": grew(before, after, "grammar_compile_ms"),
+        # The scheduler's share: waiting for the compile answer; from arrival there to the first token.
+        "grammar_wait_ms": grew(before, after, "grammar_wait_ms"),
+        "free_scheduler_first_token_ms": grew(first, before, "first_token_ms", "free"),
+        "new_scheduler_first_token_ms": grew(before, after, "first_token_ms", "constrained"),
         "error": new.error or free.error,
     }
 
@@ -471,14 +481,17 @@ def markdown(meta: dict, rows: list[dict], cold: list[dict]) -> str:
         )
     lines += [
         "",
-        "| grammar (new to the server) | compile ms | TTFT free / new grammar (ms) | ratio: median (all) |",
-        "|---|---:|---|---:|",
+        "| grammar (new to the server) | compile ms | compile wait ms | TTFT free / new grammar (ms) | of which "
+        "in the scheduler (ms) | ratio: median (all) |",
+        "|---|---:|---:|---|---|---:|",
     ]
     for c in cold:
         lines.append(
-            f"| {c['grammar']} | {fmt(c['compile_ms'], '.1f')} | {fmt(c['free_ttft_ms'], '.1f')} / "
-            f"{fmt(c['new_grammar_ttft_ms'], '.1f')} | {fmt(c['ttft_ratio'])} "
-            f"({', '.join(fmt(r) for r in c.get('ttft_ratios', []))}) |"
+            f"| {c['grammar']} | {fmt(c['compile_ms'], '.1f')} | {fmt(c.get('grammar_wait_ms'), '.1f')} | "
+            f"{fmt(c['free_ttft_ms'], '.1f')} / {fmt(c['new_grammar_ttft_ms'], '.1f')} | "
+            f"{fmt(c.get('free_scheduler_first_token_ms'), '.1f')} / "
+            f"{fmt(c.get('new_scheduler_first_token_ms'), '.1f')} | "
+            f"{fmt(c['ttft_ratio'])} ({', '.join(fmt(r) for r in c.get('ttft_ratios', []))}) |"
         )
     return "\n".join(lines)
 

@@ -8,6 +8,7 @@ import os
 import re
 from decimal import Decimal
 from pathlib import Path
+from uuid import uuid4
 
 import httpx
 import jsonschema
@@ -775,3 +776,30 @@ def test_misplaced_or_misspelt_constraints_are_refused_not_dropped(base_url, mod
     for backend in ("outlines", "xgrammar", "llguidance"):  # outlines refused the anchors the others read
         r = completions(max_tokens=4, guided_regex="^[ab]{2}$", guided_decoding_backend=backend, temperature=0)
         assert r.status_code == 200 and re.fullmatch("[ab]{2}", r.json()["choices"][0]["text"]), (backend, r.text)
+
+
+def test_server_info_splits_the_time_to_first_token(client, model_name, base_url):
+    """/get_server_info reports, per request, how long the scheduler waited for a new grammar's compile and how long
+    free and constrained requests took there from arrival to their first token (issue 18's TTFT breakdown)."""
+
+    def info() -> dict:
+        return httpx.get(base_url + "/get_server_info", timeout=30).json()
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"], "$comment": uuid4().hex}
+    before = info()
+    client.chat.completions.create(
+        model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2, temperature=0
+    )
+    client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "x as JSON"}],
+        max_tokens=8,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+    )
+    after = info()
+    for kind in ("free", "constrained"):
+        grew = after["first_token_ms"][kind]["count"] - before["first_token_ms"][kind]["count"]
+        assert grew >= 1, kind
+        assert after["first_token_ms"][kind]["sum_ms"] > before["first_token_ms"][kind]["sum_ms"]
+    assert after["grammar_wait_ms"]["count"] == before["grammar_wait_ms"]["count"] + 1  # a new grammar: one wait

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gramserve.config import ServerConfig
+from gramserve.histogram import Histogram
 from gramserve.messages import BatchTokenOut, FinishReason, TokenizedGenerateReq, TokenLogprob
 from gramserve.model.lora.adapter import LoRAAdapterError
 from gramserve.model.parallel import TPConfig
@@ -109,6 +110,11 @@ class Scheduler:
         self.grammar = grammar
         self.grammar_wait: dict[str, Req] = {}  # compiling constraints, by rid
         self.grammar_early: dict[str, Req] = {}  # admitted before their compile answer (GrammarClient.compile)
+        # Where a request's time to first token goes on this side: waiting for its compile answer, and from its
+        # arrival here to its first token (free and constrained apart). The client's TTFT less the latter is the
+        # main process's share (HTTP, template, tokenizing, streaming).
+        self.grammar_wait_hist = Histogram()
+        self.first_token_hist = {"free": Histogram(), "constrained": Histogram()}
         self.tokenizer = tokenizer
         self.runner = ModelRunner(runner_config(config, tp))  # rank 0 of its tensor-parallel group
         self.device = self.runner.device
@@ -208,6 +214,7 @@ class Scheduler:
                 self.finished_early.append(req)
             else:
                 req.grammar_backend = resp.backend
+                self.grammar_wait_hist.observe((time.monotonic() - req.arrival) * 1e3)
                 self.admission.waiting.append(req)
 
     # --- KV bookkeeping -------------------------------------------------------------------------
@@ -432,6 +439,9 @@ class Scheduler:
             if req.finished is not None:  # aborted while its token was in flight
                 continue
             req.append_token(tok, tokenizer, context_length)
+            if len(req.output_ids) == 1:
+                kind = "free" if req.grammar is None else "constrained"
+                self.first_token_hist[kind].observe((time.monotonic() - req.arrival) * 1e3)
             if req.return_logprob:
                 top = result.top_logprobs[i][: req.top_logprobs] if result.top_logprobs else []
                 lp = result.logprobs[i]
@@ -577,6 +587,8 @@ class Scheduler:
             report["lora"] = self.lora.report()
         if self.images is not None:
             report["images"] = dict(self.images.counters, cached=len(self.images.cache))
+        report["grammar_wait_ms"] = self.grammar_wait_hist.report()
+        report["first_token_ms"] = {kind: h.report() for kind, h in self.first_token_hist.items()}
         return report
 
     def _server_info(self) -> dict:
