@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import re
+import time
 from decimal import Decimal
 from pathlib import Path
 from uuid import uuid4
@@ -803,3 +804,22 @@ def test_server_info_splits_the_time_to_first_token(client, model_name, base_url
         assert grew >= 1, kind
         assert after["first_token_ms"][kind]["sum_ms"] > before["first_token_ms"][kind]["sum_ms"]
     assert after["grammar_wait_ms"]["count"] == before["grammar_wait_ms"]["count"] + 1  # a new grammar: one wait
+
+
+def test_a_range_whose_bounds_are_not_multiples_is_served(client, model_name):
+    """`multipleOf` 0.01 between 0.5 and 0.5051 (a new user's finding): 0.5 is the one valid value. llguidance's
+    grammar allowed nothing (a 400 "no value satisfies it"), then auto switched the schema to xgrammar, which ignores
+    multipleOf on numbers and wrote 0.503418. Every request now gets 0.5, from a backend that enforces it."""
+    schema = {"type": "number", "multipleOf": 0.01, "minimum": 0.5, "maximum": 0.5051}
+    for _ in range(3):  # past auto's background comparison of the backends
+        r = client.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": "A number."}],
+            max_tokens=12,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+        )
+        assert r.choices[0].finish_reason == "stop", r
+        assert json.loads(r.choices[0].message.content) == 0.5
+        assert r.model_extra["grammar_backend"] == "llguidance"
+        time.sleep(0.5)

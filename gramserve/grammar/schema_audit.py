@@ -205,6 +205,9 @@ def unenforced(backend: str, schema_text: str) -> list[str]:
             found.add("uniqueItems")
         if _enum_type_conflict(node):
             found.add("enum/const values outside the declared type")
+        # xgrammar 0.2.9 logs "multipleOf is not supported for type:number; ignoring multipleOf" (integers keep it).
+        if "multipleOf" in node and node.get("type") not in ("integer", ["integer"]):
+            found.add("multipleOf on numbers")
         if ("anyOf" in node or "oneOf" in node) and _ASSERTIONS & node.keys():
             found.add("anyOf/oneOf next to other keywords")
         # xgrammar 0.2.8 warns "pattern combined with minLength/maxLength is not supported" and drops the lengths

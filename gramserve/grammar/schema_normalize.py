@@ -10,6 +10,8 @@ be satisfied, and compiling fails with a clear message instead of producing inva
 from __future__ import annotations
 
 import copy
+import math
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from typing import Any
 from urllib.parse import unquote
 
@@ -225,6 +227,73 @@ def integral_counts(schema: Any) -> Any:
             if isinstance(node.get(k), float) and node[k].is_integer():
                 node[k] = int(node[k])
     return out
+
+
+def aligned_multiple_bounds(schema: Any) -> Any:
+    """A copy of `schema` in which a node with `multipleOf` has its numeric bounds moved to the nearest multiples
+    inside them (`minimum` 0.495, `maximum` 0.505, `multipleOf` 0.01 -> 0.5 and 0.5; exclusive bounds become
+    inclusive ones): the same values. llguidance 1.9.1 lost the multiples of a range whose bounds are not multiples
+    (it allowed nothing for 0.5..0.5051 by 0.01, and only 0.49 for 0.49..0.505). `schema` itself when no node needs
+    it. Bounds are computed as decimals from the numbers' shortest text; a range with no multiple is left as it is
+    (the backends refuse it)."""
+    if not isinstance(schema, dict):
+        return schema
+    if not any(_aligned(node) for node in _subschemas(schema)):
+        return schema
+    out = copy.deepcopy(schema)
+    for node in _subschemas(out):
+        if (bounds := _aligned(node)) is not None:
+            for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                node.pop(key, None)
+            lo, hi = bounds
+            if lo is not None:
+                node["minimum"] = lo
+            if hi is not None:
+                node["maximum"] = hi
+    return out
+
+
+def _aligned(node: dict) -> tuple[int | float | None, int | float | None] | None:
+    """The inclusive (minimum, maximum) on multiples of the node's `multipleOf`, if that differs from its bounds."""
+    step = node.get("multipleOf")
+    if not _is_number(step) or step <= 0 or isinstance(node.get("exclusiveMinimum"), bool):
+        return None  # draft 4's boolean exclusive bounds: left alone
+    if isinstance(node.get("exclusiveMaximum"), bool):
+        return None
+    step_d = Decimal(repr(step))
+    los = [(node[k], k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum") if _is_number(node.get(k))]
+    his = [(node[k], k == "exclusiveMaximum") for k in ("maximum", "exclusiveMaximum") if _is_number(node.get(k))]
+    if not los and not his:
+        return None
+    try:
+        lo = max((_first_multiple(Decimal(repr(v)), step_d, strict, up=True) for v, strict in los), default=None)
+        hi = min((_first_multiple(Decimal(repr(v)), step_d, strict, up=False) for v, strict in his), default=None)
+    except (ArithmeticError, ValueError):
+        return None
+    if lo is not None and hi is not None and lo > hi:
+        return None  # no multiple in the range
+    as_number = [None if b is None else _as_json_number(b) for b in (lo, hi)]
+    same = [node.get("minimum"), node.get("maximum")] == as_number and not (
+        "exclusiveMinimum" in node or "exclusiveMaximum" in node
+    )
+    return None if same else (as_number[0], as_number[1])
+
+
+def _first_multiple(bound: Decimal, step: Decimal, strict: bool, up: bool) -> Decimal:
+    """The first multiple of `step` at or past `bound` (past it for a strict bound), going up or down."""
+    k = bound / step
+    whole = k.to_integral_value(rounding=ROUND_CEILING if up else ROUND_FLOOR)
+    if strict and whole == k:
+        whole += 1 if up else -1
+    return whole * step
+
+
+def _as_json_number(value: Decimal) -> int | float:
+    return int(value) if value == value.to_integral_value() else float(value)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # Keywords the rewrites of this module and schema_relax.py rename or drop: a $ref whose JSON pointer passes through
