@@ -422,6 +422,39 @@ def test_a_slow_reader_holds_only_its_own_request(base_url, model_name):
     assert pool["used_slots"] == 0 and pool["free_request_rows"] == pool["max_running_requests"], pool
 
 
+def test_request_timeout_bounds_the_retries_of_a_checked_output_together(keyed_server, tokenizer):
+    """Outputs that fail the last check are sampled again (--grammar-check-retries 2), and --request-timeout 4 counts
+    from the request's start, not from each attempt's (a new user's finding: 12.6-17.6 s under an 8 s limit). Each
+    attempt here runs about 0.9 of the limit, then stops inside a string (a stop token after min_tokens): invalid."""
+    url, auth = keyed_server.base_url, {"Authorization": "Bearer sk-user"}
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 1500}}, "required": ["s"]}
+    letters = [i for i in range(len(tokenizer)) if re.fullmatch(r"[a-z]", tokenizer.decode([i]))]
+    body = {
+        "messages": [{"role": "user", "content": "Write a long story as JSON."}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}},
+        "temperature": 1.0,
+        "seed": 1,
+        "stop_token_ids": letters,
+    }
+
+    def run(min_tokens: int, stream: bool = False) -> tuple[httpx.Response, float]:
+        t = time.monotonic()
+        payload = {**body, "min_tokens": min_tokens, "max_tokens": min_tokens + 400, "stream": stream}
+        r = httpx.post(url + "/v1/chat/completions", json=payload, headers=auth, timeout=60)
+        return r, time.monotonic() - t
+
+    _, probe = run(80, stream=True)  # streamed: one attempt, no retries
+    tokens = max(8, int(80 * 0.9 * 4 / probe))  # an attempt of about 0.9 x the 4 s limit (shorter or longer is fine)
+    before = httpx.get(url + "/get_server_info", headers=auth).json()["output_checks"]["retried"]
+    r, took = run(tokens)
+    after = httpx.get(url + "/get_server_info", headers=auth).json()["output_checks"]["retried"]
+    assert r.status_code in (200, 504), r.text
+    if r.status_code == 200:
+        assert r.json()["choices"][0]["finish_reason"] == "invalid_output"
+    assert after - before <= 1  # a third attempt never started past the limit
+    assert took < 4 + 4, took
+
+
 def test_request_timeout(keyed_server):
     """--request-timeout 4: a long request ends with a 504 (a stream with a timeout error event) and is aborted."""
     url, auth = keyed_server.base_url, {"Authorization": "Bearer sk-user"}

@@ -381,14 +381,20 @@ class TokenizerManager:
 
     async def _with_retries(self, rid: str, input_ids: list[int], sampling: SamplingParams, args: tuple):
         """`generate` for a checked output read whole: attempts until one passes the last check (or the last)."""
+        loop = asyncio.get_running_loop()
+        # --request-timeout bounds the attempts together: a retry does not start a clock of its own.
+        deadline = loop.time() + self.request_timeout if self.request_timeout else None
         try:
             for attempt in range(self.check_retries + 1):
                 engine_rid = rid if attempt == 0 else f"{rid}-retry{attempt}"
                 if attempt:
                     self._retry_of[rid] = engine_rid
-                outs = [out async for out in self._attempt(engine_rid, input_ids, _resampled(sampling, attempt), *args)]
+                resampled = _resampled(sampling, attempt)
+                outs = [out async for out in self._attempt(engine_rid, input_ids, resampled, *args, deadline=deadline)]
                 fin = outs[-1].finished if outs else None
-                if fin is None or fin.type != "invalid_output" or attempt == self.check_retries:
+                out_of_time = deadline is not None and loop.time() >= deadline
+                last = attempt == self.check_retries or out_of_time  # out of time: the failed attempt is the answer
+                if fin is None or fin.type != "invalid_output" or last:
                     if attempt and fin is not None and fin.type == "stop":
                         self.output_checker.stats["recovered"] += 1
                     for out in outs:
@@ -416,8 +422,10 @@ class TokenizerManager:
         images: tuple[ImageInput, ...] = (),
         replica: int = -1,
         streamed: bool = False,
+        deadline: float | None = None,
     ) -> AsyncIterator[GenerateOutput]:
-        """One engine request: send it, stream its outputs, check a constrained output at its end."""
+        """One engine request: send it, stream its outputs, check a constrained output at its end. `deadline`: the
+        event loop's time past which it ends with a RequestTimeoutError (default: --request-timeout from now)."""
         self.start()
         problem = self.health.problem(rid.startswith(WARMUP_RID_PREFIX)) if self.health is not None else None
         if problem is not None:
@@ -433,7 +441,8 @@ class TokenizerManager:
         )
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_CHECK_S
-        deadline = loop.time() + self.request_timeout if self.request_timeout else None
+        if deadline is None and self.request_timeout:
+            deadline = loop.time() + self.request_timeout
         text: list[str] = []  # the output so far, for the last check (checked requests only)
         calls = watch_calls() if watch_calls is not None else None
         started = False  # an output went out (a stream's response has begun)
