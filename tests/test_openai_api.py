@@ -644,3 +644,39 @@ def test_browsers_may_call_the_api_and_audio_is_refused(base_url, model_name):
         assert r.status_code == 400 and "audio" in r.json()["error"]["message"], r.text
     r = httpx.post(base_url + "/v1/chat/completions", json={**body, "modalities": ["text"]}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_abort_request_by_the_response_id_the_client_sees(base_url, model_name):
+    """/abort_request with an OpenAI response's `id` (chatcmpl-..., or built from the client's X-Request-Id) aborts
+    every choice of it (a new user's finding: only the internal `<id>-0` worked, so the stream ran to the end)."""
+    body = {
+        "model": model_name,
+        "messages": [{"role": "user", "content": "Count to a thousand."}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+        lines = (line for line in s.iter_lines() if line.startswith("data: {"))
+        first = json.loads(next(lines)[6:])
+        r = httpx.post(base_url + "/abort_request", json={"rid": first["id"]}, timeout=10)
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in lines]
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
+    finishes = [f for f in finishes if f]
+    assert finishes and finishes[-1] == "abort"
+
+    def abort_soon():
+        time.sleep(1.5)
+        httpx.post(base_url + "/abort_request", json={"rid": "chatcmpl-mine-42"}, timeout=10)
+
+    aborter = threading.Thread(target=abort_soon)
+    aborter.start()
+    t = time.monotonic()
+    r = httpx.post(
+        base_url + "/v1/chat/completions", json={**body, "n": 2}, headers={"X-Request-Id": "mine-42"}, timeout=120
+    )
+    aborter.join()
+    assert r.status_code == 200 and r.json()["id"] == "chatcmpl-mine-42", r.text
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["abort", "abort"]
+    assert r.json()["usage"]["completion_tokens"] < 2 * 3000 and time.monotonic() - t < 60
+    assert wait_pool_whole(base_url)["used_slots"] == 0

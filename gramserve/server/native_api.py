@@ -66,7 +66,8 @@ def native_router(args: ServerArgs, tm: TokenizerManager) -> APIRouter:
         rid = body.get("rid")
         if not isinstance(rid, str) or not rid:
             raise InvalidRequestError("rid must be a non-empty string", "rid")
-        # The same answer whether or not the rid exists: the endpoint does not tell which requests run.
+        # The same answer whether or not the rid exists: the endpoint does not tell which requests run. A rid is an
+        # engine request's, a /generate request's own (all its requests), or an OpenAI response's id (its choices).
         await tm.abort(rid)
         return JSONResponse({"rid": rid})
 

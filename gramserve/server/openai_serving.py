@@ -157,60 +157,62 @@ class OpenAIServing:
         check may be sampled again (TokenizerManager.generate). `tools`: the calls' arguments are checked too;
         `watch_calls`: a choice ends at a repeated call."""
         base = engine_rid_base(rid)
-        gens = [
-            self.tm.generate(
-                input_ids,
-                _params_for_choice(params, i),
-                rid=f"{base}-{i}",
-                return_logprob=logprobs is not None,
-                top_logprobs=logprobs or 0,
-                grammar=grammar,
-                priority=priority,
-                is_disconnected=is_disconnected,
-                retry_invalid=whole,
-                tools=tools,
-                watch_calls=watch_calls,
-                lora=lora,
-                images=images,
-                streamed=not whole,
-            )
-            for i in range(n)
-        ]
-        if n == 1:
-            try:
-                async for out in gens[0]:
-                    yield 0, out
-            finally:
-                await gens[0].aclose()  # abort at once when our consumer goes away
-            return
-        queue: asyncio.Queue = asyncio.Queue()
+        # /abort_request with the response's id (what the client sees) aborts every choice.
+        with self.tm.rid_group(rid, [f"{base}-{i}" for i in range(n)]):
+            gens = [
+                self.tm.generate(
+                    input_ids,
+                    _params_for_choice(params, i),
+                    rid=f"{base}-{i}",
+                    return_logprob=logprobs is not None,
+                    top_logprobs=logprobs or 0,
+                    grammar=grammar,
+                    priority=priority,
+                    is_disconnected=is_disconnected,
+                    retry_invalid=whole,
+                    tools=tools,
+                    watch_calls=watch_calls,
+                    lora=lora,
+                    images=images,
+                    streamed=not whole,
+                )
+                for i in range(n)
+            ]
+            if n == 1:
+                try:
+                    async for out in gens[0]:
+                        yield 0, out
+                finally:
+                    await gens[0].aclose()  # abort at once when our consumer goes away
+                return
+            queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, gen) -> None:
-            try:
-                async for out in gen:
-                    await queue.put((i, out))
-            except Exception as exc:  # noqa: BLE001 - surfaced to the consumer below
-                await queue.put((i, exc))
-            finally:
-                await queue.put((i, None))
+            async def pump(i: int, gen) -> None:
+                try:
+                    async for out in gen:
+                        await queue.put((i, out))
+                except Exception as exc:  # noqa: BLE001 - surfaced to the consumer below
+                    await queue.put((i, exc))
+                finally:
+                    await queue.put((i, None))
 
-        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-        try:
-            done = 0
-            while done < n:
-                i, item = await queue.get()
-                if item is None:
-                    done += 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()  # a pump's generator then ends in its task (its engine request is aborted there)
-            for g in gens:
-                if not g.ag_running:  # one never started, or already done
-                    await g.aclose()
+            tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+            try:
+                done = 0
+                while done < n:
+                    i, item = await queue.get()
+                    if item is None:
+                        done += 1
+                    elif isinstance(item, Exception):
+                        raise item
+                    else:
+                        yield i, item
+            finally:
+                for t in tasks:
+                    t.cancel()  # a pump's generator then ends in its task (its engine request is aborted there)
+                for g in gens:
+                    if not g.ag_running:  # one never started, or already done
+                        await g.aclose()
 
     def _usage(self, prompt_tokens: int, completion: int, cached: int) -> P.UsageInfo:
         return P.UsageInfo(

@@ -528,8 +528,17 @@ class TokenizerManager:
 
     async def abort(self, rid: str) -> bool:
         """Abort a request by its rid, or every request of a group (a /generate batch or n > 1) by the group's."""
-        found = False
-        for one in (rid, *self.rid_groups.get(rid, ())):
+        found, todo, seen = False, [rid], set()
+        while todo:
+            one = todo.pop()
+            if one in seen:
+                continue
+            seen.add(one)
+            todo.extend(self.rid_groups.get(one, ()))  # a group's members may be groups
+            k = 0  # a completion of several prompts: one group per prompt, `{rid}-{k}`
+            while f"{one}-{k}" in self.rid_groups:
+                todo.append(f"{one}-{k}")
+                k += 1
             one = self._retry_of.get(one, one)
             if one in self.states:
                 self.to_scheduler.send_pyobj(AbortReq(one))
