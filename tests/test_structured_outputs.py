@@ -854,3 +854,45 @@ def test_greedy_outputs_do_not_depend_on_the_backend(client, model_name):
         jsonschema.validate(outputs[backend], schema)
     assert outputs["xgrammar"] == outputs["llguidance"]
     assert outputs["xgrammar"]["name"] != "name"
+
+
+def test_a_prompt_prefills_while_its_new_grammar_compiles(client, model_name, base_url):
+    """A request whose grammar is new prefills its prompt but for the last token while the grammar compiles; that
+    token then goes in as a decode row (Req.grammar_pending). Its greedy output equals the same request's once the
+    grammar is cached (no hold), for a prompt longer than a prefill chunk, and for one whose prefix is already cached
+    but for its last token (held without a prefill)."""
+
+    def stats() -> dict:
+        return httpx.get(base_url + "/get_server_info", timeout=30).json()["stats"]
+
+    def ask(prompt: str, schema: dict) -> str:
+        r = client.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=40,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        )
+        assert r.choices[0].finish_reason in ("stop", "length"), r
+        return r.choices[0].message.content
+
+    def schema() -> dict:
+        return {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+            "required": ["name", "age"],
+            "$comment": uuid4().hex,  # new to the server
+        }
+
+    # A prompt of several chunks: the compile ends during its prefill, which then runs to its end (nothing held).
+    long_prompt = "Describe one person as JSON. " + " ".join(f"fact {i}: nothing." for i in range(160))
+    for prompt, held in ((long_prompt, 0), ("A person as JSON, please.", 1)):
+        held_before = stats()["held_last_tokens"]
+        s = schema()
+        first = ask(prompt, s)  # the compile and the prefill overlap
+        assert stats()["held_last_tokens"] == held_before + held
+        assert ask(prompt, s) == first  # cached grammar: admitted at once, whole prompt prefilled
+        s2 = schema()
+        again = ask(prompt, s2)  # the prompt's prefix is cached but for the last token: held without a prefill
+        assert stats()["held_last_tokens"] == held_before + held + 1
+        assert ask(prompt, s2) == again == first

@@ -42,6 +42,9 @@ class Admission:
         self.failed: list[Req] = []  # left the queue with an error (their adapter could not be read again)
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # the request whose prompt is being prefilled chunk by chunk
+        # Admitted with their prompt already cached but for the last token, which waits for their grammar (Req.
+        # grammar_pending): the scheduler parks them.
+        self.held: list[Req] = []
 
     def withdraw(self, rid: str) -> Req | None:
         """Take a waiting or partly prefilled request out (an abort)."""
@@ -50,10 +53,12 @@ class Admission:
             self.waiting.remove(req)
         elif self.chunked is not None and self.chunked.rid == rid:
             req, self.chunked = self.chunked, None
+        elif (req := next((r for r in self.held if r.rid == rid), None)) is not None:
+            self.held.remove(req)
         return req
 
     def clear(self) -> None:
-        self.waiting, self.chunked = deque(), None
+        self.waiting, self.chunked, self.held = deque(), None, []
 
     def ordered_waiting(self) -> list[Req]:
         if self.schedule_policy == "lpm" and not self.cache.disabled and len(self.waiting) > 1:
@@ -74,7 +79,7 @@ class Admission:
         picked: list[tuple[Req, int]] = []
         if self.chunked is not None:
             req = self.chunked
-            take = min(len(req.fill_ids) - req.kv_len, budget, available())
+            take = min(req.prefill_end - req.kv_len, budget, available())
             if take > 0:  # else wait for running requests to finish and free memory
                 picked.append((req, take))
                 budget -= take
@@ -97,7 +102,14 @@ class Admission:
                 req.lora_slot = self.lora.acquire(req.lora_id, active)
                 active.add(req.lora_id)
             match = self.cache.match_prefix(req.fill_ids[:-1], req.cache_namespace)
-            extend = len(req.fill_ids) - match.length
+            extend = req.prefill_end - match.length
+            if extend <= 0:  # a held request with nothing to prefill yet: it holds its row and prefix, and waits
+                self.cache.lock(match.node)
+                self.waiting.remove(req)
+                self._admit(req, match)
+                self.held.append(req)
+                rows_left -= 1
+                continue
             take = min(extend, budget) if chunk_size > 0 else extend
             if chunk_size <= 0 and picked and take > budget:
                 break

@@ -110,6 +110,9 @@ class Scheduler:
         self.grammar = grammar
         self.grammar_wait: dict[str, Req] = {}  # compiling constraints, by rid
         self.grammar_early: dict[str, Req] = {}  # admitted before their compile answer (GrammarClient.compile)
+        # Prefilled but for their last token, waiting for their grammar (Req.grammar_pending), by rid; they are in
+        # grammar_wait too.
+        self.parked: dict[str, Req] = {}
         # Where a request's time to first token goes on this side: waiting for its compile answer, and from its
         # arrival here to its first token (free and constrained apart). The client's TTFT less the latter is the
         # main process's share (HTTP, template, tokenizing, streaming).
@@ -169,7 +172,7 @@ class Scheduler:
         budget = self.context_length - len(msg.input_ids)
         max_new = budget if msg.sampling.max_new_tokens is None else min(msg.sampling.max_new_tokens, budget)
         req = Req(msg, max(max_new, 1), self.eos_ids)
-        queued = len(self.admission.waiting) + len(self.grammar_wait)
+        queued = len(self.admission.waiting) + len(self.parked)
         if max_new < 1 or len(msg.input_ids) + 1 > self.allocator.size:
             req.finished = FinishReason(
                 "abort", message="prompt does not fit in the KV cache / context", status_code=400
@@ -187,7 +190,9 @@ class Scheduler:
                 self.grammar_early[req.rid] = req
             else:
                 self.grammar_wait[req.rid] = req
-                return req
+                req.grammar_pending = not req.images  # an image's placeholder may not go in as a decode row
+                if not req.grammar_pending:
+                    return req
         if req.finished is not None:
             self.finished_early.append(req)
         else:
@@ -208,14 +213,25 @@ class Scheduler:
                         self._fail(req, f"invalid or unsupported grammar: {resp.error}", 400)
                 continue  # else aborted meanwhile
             if resp.error is not None:
+                self._take(req.rid)  # out of the waiting queue, or its KV comes back (held)
                 req.finished = FinishReason(
                     "abort", message=f"invalid or unsupported grammar: {resp.error}", status_code=400
                 )
                 self.finished_early.append(req)
-            else:
-                req.grammar_backend = resp.backend
-                self.grammar_wait_hist.observe((time.monotonic() - req.arrival) * 1e3)
+                continue
+            req.grammar_backend = resp.backend
+            self.grammar_wait_hist.observe((time.monotonic() - req.arrival) * 1e3)
+            if not req.grammar_pending:
                 self.admission.waiting.append(req)
+                continue
+            req.grammar_pending = False  # still waiting or prefilling: it prefills to its end as any request
+            if self.parked.pop(req.rid, None) is not None:
+                # Its last prompt token goes in as a decode row (input read from last_tokens on the device).
+                self.stats["held_last_tokens"] += 1
+                self.last_tokens[req.req_pool_idx] = req.fill_ids[-1]
+                self.running.append(req)
+                if self.lora is not None:
+                    self.running.sort(key=lambda r: r.lora_slot)
 
     # --- KV bookkeeping -------------------------------------------------------------------------
 
@@ -292,6 +308,9 @@ class Scheduler:
         if self.admission.failed:
             self.finished_early += self.admission.failed
             self.admission.failed = []
+        if self.admission.held:
+            self.parked.update((r.rid, r) for r in self.admission.held)
+            self.admission.held = []
         riders: list[Req] = []
         if picked:
             riders = self._riders(picked)
@@ -333,6 +352,11 @@ class Scheduler:
                     self.admission.chunked = None
                 if req.finished is None:
                     self.running.append(req)
+            for req in prompted:  # prefilled but for the last token: they wait for their grammar
+                if req.grammar_pending and req.kv_len == req.prefill_end and req.finished is None:
+                    if req is chunked:
+                        self.admission.chunked = None
+                    self.parked[req.rid] = req
             if self.lora is not None:  # rows of one adapter side by side: one segment each in decode batches
                 self.running.sort(key=lambda r: r.lora_slot)
         return _Forward(reqs, sampling, logits, grammar, batch.req_pool_indices)
@@ -503,9 +527,10 @@ class Scheduler:
     def _take(self, rid: str) -> Req | None:
         """Remove a request from wherever it waits or runs."""
         self.grammar_early.pop(rid, None)
-        req = self.grammar_wait.pop(rid, None)
-        if req is None:
-            req = self.admission.withdraw(rid)
+        waited = self.grammar_wait.pop(rid, None)
+        req = self.parked.pop(rid, None) or self.admission.withdraw(rid)
+        if req is None and waited is not None and not waited.grammar_pending:
+            return waited  # not queued anywhere before its compile answer
         if req is None:
             req = next((r for r in self.running if r.rid == rid), None)
             if req is not None:
@@ -527,12 +552,13 @@ class Scheduler:
 
     def abort_all(self, message: str) -> BatchTokenOut:
         chunked = self.admission.chunked
-        live = list(self.running) + list(self.admission.waiting) + list(self.grammar_wait.values())
+        live = list(self.running) + list(self.admission.waiting) + list(self.parked.values())
+        live += [r for r in self.grammar_wait.values() if not r.grammar_pending]  # the others are queued already
         if chunked is not None and chunked not in live:
             live.append(chunked)
         live = [r for r in live if r.finished is None]
         done = [r for r in self.finished_early if r not in live]  # already failed: keep their own reason
-        self.running, self.grammar_wait, self.grammar_early = [], {}, {}
+        self.running, self.grammar_wait, self.grammar_early, self.parked = [], {}, {}, {}
         self.admission.clear()
         self.inflight, self.finished_early = None, []
         for req in live:
