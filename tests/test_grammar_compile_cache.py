@@ -444,3 +444,25 @@ def test_a_grammar_that_allows_nothing_is_named_at_its_first_fill(tokenizer, bac
     assert collect(svc, {"r"})["r"].backend == backend
     resp = svc.step(GrammarStepReq(1, [], [("r", 0)], []))
     assert resp.empty == ["r"] and not resp.failed and not resp.rejected
+
+
+def test_a_compile_no_request_waits_for_is_dropped(tokenizer):
+    """Every request of a queued compile left (their clients went away): the compile never runs, nothing is cached
+    as failed, and a later request for the grammar compiles it afresh. (A new user sent schemas that compile for
+    seconds and left at once: each still compiled, then was challenged, while other requests waited.)"""
+    svc = make_service(tokenizer, compile_threads=1)
+    try:
+        busy = svc.pool.submit(time.sleep, 1.0)  # the one compile thread is taken: the next compile queues
+        text = suite_schema("support_ticket")
+        assert svc.submit(GrammarCompileReq("gone", GrammarRequest("json_schema", text))) is None
+        flight = svc.flight_of("gone")
+        svc.abort("gone")
+        assert flight.future.cancelled() and flight.key not in svc.pending and not svc.awaited
+        busy.result()
+        time.sleep(0.1)
+        assert svc.poll_compiles() == [] and svc.stats["compiled"] == 0 and svc.stats["failed"] == 0
+        assert svc.submit(GrammarCompileReq("again", GrammarRequest("json_schema", text))) is None
+        got = collect(svc, {"again"})
+        assert got["again"].error is None and got["again"].source == "compiled"
+    finally:
+        svc.close()

@@ -441,7 +441,7 @@ class GrammarService:
         if f.best is None or f.probes.get(f.backend, 0.0) < margin * f.probes.get(f.best[0], float("inf")):
             f.best = (f.backend, result.compiled)
         out = self._conclude(f, result.source)
-        if not f.challenger and f.auto and result.source == "compiled" and self._others_left(f):
+        if not f.challenger and f.auto and result.source == "compiled" and f.rids and self._others_left(f):
             self._challenge(f)
         return out
 
@@ -517,12 +517,27 @@ class GrammarService:
         f = self._flight_of.pop(rid, None)
         if f is not None and rid in f.rids:
             f.rids.remove(rid)
+            if not f.rids and self.pending.get(f.key) is f:
+                self._drop_abandoned(f)
         self.matchers.pop(rid, None)
         self._unfilled.discard(rid)
         self.loop_guards.pop(rid, None)
         self.surrogates.forget(rid)
         if self.state_keys is not None:
             self.state_keys.forget(rid)
+
+    def _drop_abandoned(self, f: _Flight) -> None:
+        """No request waits for this compile any more (their clients left): one still queued never runs, and one in
+        a compile process is killed; one on a thread cannot be stopped and finishes for the cache. (A new user sent
+        schemas that compile for seconds and left at once: each compiled, then was challenged, while others waited.)"""
+        fut = f.future
+        if fut is None or fut.done():
+            return
+        if fut.cancel():
+            del self.pending[f.key]
+        elif f.in_process:
+            del self.pending[f.key]
+            self._compilers[f.backend].kill(fut)
 
     def close(self) -> None:
         """Stop the compile workers and threads (running compile threads finish in the background)."""
