@@ -296,7 +296,13 @@ def test_bad_adapters_get_clear_errors(lora_server, adapter_dirs, tmp_path):
         "missing path": (str(tmp_path / "nowhere"), 400, "does not exist"),
         "not a folder": (os.path.join(a, "adapter_config.json"), 400, "not a folder"),
         "wrong shape": (_write_adapter(a, str(tmp_path / "shape"), tensors=wrong_shape), 400, "do not fit the model"),
-        "rank above limit": (_write_adapter(a, str(tmp_path / "r64"), tensors=rank_64), 400, "--max-lora-rank 32"),
+        "rank above limit": (
+            _write_adapter(a, str(tmp_path / "r64"), {"r": 64}, tensors=rank_64),
+            400,
+            "--max-lora-rank 32",
+        ),
+        # the config's r differs from the weights' (a new user's finding: loaded, scaled by the weights' rank)
+        "r of another rank": (_write_adapter(a, str(tmp_path / "r4"), {"r": 4}), 400, "adapter_config.json gives r=4"),
         "DoRA": (_write_adapter(a, str(tmp_path / "dora"), {"use_dora": True}), 400, "use_dora"),
         "embedding": (_write_adapter(a, str(tmp_path / "emb"), tensors=embedding), 400, "unsupported tensor"),
         "a NaN weight": (_write_adapter(a, str(tmp_path / "nan"), tensors=one_nan), 400, "NaN or infinite"),

@@ -210,6 +210,11 @@ def load_adapter(
                 f"(expected [r, {fan_in}] and [{fan_out}, r]); is the adapter for another base model"
                 + (f" ({config.base_model})?" if config.base_model else "?")
             )
+        declared = _pattern_value(config.rank_pattern, module_path(layer, module), config.rank)
+        if declared != rank:  # PEFT refuses such an adapter (its scaling is alpha / r)
+            raise LoRAAdapterError(
+                f"layer {layer} {module}: the weights have rank {rank}, but adapter_config.json gives r={declared}"
+            )
         if rank > max_rank:
             raise LoRAAdapterError(
                 f"the adapter's rank {rank} (layer {layer} {module}) is above this server's --max-lora-rank {max_rank}"
