@@ -133,16 +133,25 @@ def test_a_failed_flight_fails_every_request_in_it(tokenizer):
         svc.close()
 
 
-def test_fill_probe_ranks_the_backends_as_a_long_walk_does(tokenizer):
-    """The probe's short walk agrees with the measurement it stands for: on bounded strings xgrammar's masks cost
-    more than llguidance's, on an unbounded record the two are close."""
+def fill_costs(tokenizer, schema: str, steps: int, budget_ms: float) -> dict[str, float]:
     costs = {}
     for name in ("xgrammar", "llguidance"):
         b = create_backend(name, tokenizer, len(tokenizer), [EOS], GrammarOptions())
-        compiled = b.compile(GrammarSpec("json_schema", suite_schema("extraction_record")))
-        costs[name] = probe_fill_us(b, compiled, steps=200, budget_ms=2000)
+        costs[name] = probe_fill_us(b, b.compile(GrammarSpec("json_schema", schema)), steps=steps, budget_ms=budget_ms)
         assert 0 < costs[name] < 10_000
-    assert costs["xgrammar"] > costs["llguidance"], costs
+    return costs
+
+
+def test_fill_probe_ranks_the_backends_as_a_long_walk_does(tokenizer):
+    """The probe's short walk (what auto's challenger measures first) ranks the backends as a long walk does, where
+    they differ clearly. (Which backend is cheaper depends on the installed versions: stop 50's CI measured
+    xgrammar's masks dearer than llguidance's on these bounded strings, a fresh install in stop 51 cheaper.)"""
+    schema = suite_schema("extraction_record")
+    short = fill_costs(tokenizer, schema, steps=32, budget_ms=500)
+    long = fill_costs(tokenizer, schema, steps=400, budget_ms=4000)
+    cheaper = min(long, key=long.get)
+    if long[cheaper] * 1.5 < max(long.values()):
+        assert min(short, key=short.get) == cheaper, (short, long)
 
 
 def wait_challengers(svc: GrammarService, timeout: float = 60) -> None:
@@ -233,8 +242,11 @@ def test_auto_measures_the_next_backend_in_the_background_when_the_first_is_expe
         chosen = svc.chosen.get_recent(("json_schema", text))
         later = svc.submit(GrammarCompileReq("b", GrammarRequest("json_schema", text)))
         assert later.source == "cache" and later.backend == chosen
-        # Bounded strings: llguidance's masks are the cheaper ones (the probe's ranking, measured above).
-        assert chosen == "llguidance"
+        # The cheaper of the two, where they differ clearly (measured again here, as the challenger does).
+        costs = fill_costs(tokenizer, text, steps=400, budget_ms=4000)
+        cheaper = min(costs, key=costs.get)
+        if costs[cheaper] * 2 < max(costs.values()):
+            assert chosen == cheaper, costs
     finally:
         svc.close()
 
