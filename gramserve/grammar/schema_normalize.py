@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
-from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal, localcontext
 from typing import Any
 from urllib.parse import unquote
 
@@ -281,11 +281,13 @@ def _aligned(node: dict) -> tuple[int | float | None, int | float | None] | None
 
 def _first_multiple(bound: Decimal, step: Decimal, strict: bool, up: bool) -> Decimal:
     """The first multiple of `step` at or past `bound` (past it for a strict bound), going up or down."""
-    k = bound / step
-    whole = k.to_integral_value(rounding=ROUND_CEILING if up else ROUND_FLOOR)
-    if strict and whole == k:
-        whole += 1 if up else -1
-    return whole * step
+    with localcontext() as exact:
+        exact.prec = 1000  # the quotient's digits all count (28, the default, rounds long bounds onto a multiple)
+        k = bound / step
+        whole = k.to_integral_value(rounding=ROUND_CEILING if up else ROUND_FLOOR)
+        if strict and whole == k:
+            whole += 1 if up else -1
+        return whole * step
 
 
 def _as_json_number(value: Decimal) -> int | float:

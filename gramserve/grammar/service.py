@@ -496,6 +496,7 @@ class GrammarService:
             if not f.in_process and not f.challenger and f.future is not None and f.future.cancel():
                 f.started = time.monotonic()
                 f.future = self.pool.submit(self._timed_compile, f, f.backend, f.grammar)
+                f.future.add_done_callback(self._compile_ended)
         old.shutdown(wait=False)
 
     def _drop_cancelled_challengers(self) -> None:

@@ -131,6 +131,8 @@ def _wake(fd: int) -> None:
         os.write(fd, b"x")
     except BlockingIOError:  # the pipe is full: the loop has wakeups enough pending
         pass
+    except OSError:  # closed at shutdown while a compile thread ended
+        pass
 
 
 def _drain(fd: int) -> None:

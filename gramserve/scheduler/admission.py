@@ -42,9 +42,10 @@ class Admission:
         self.failed: list[Req] = []  # left the queue with an error (their adapter could not be read again)
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # the request whose prompt is being prefilled chunk by chunk
-        # Admitted with their prompt already cached but for the last token, which waits for their grammar (Req.
-        # grammar_pending): the scheduler parks them.
-        self.held: list[Req] = []
+        # Taken out of the queue while their grammar compiles (Req.grammar_pending) because the prefix cache holds
+        # their prompt but for the last token: nothing to prefill before the grammar is ready. The scheduler queues
+        # them again on the compile answer.
+        self.unqueued: list[Req] = []
 
     def withdraw(self, rid: str) -> Req | None:
         """Take a waiting or partly prefilled request out (an abort)."""
@@ -53,12 +54,10 @@ class Admission:
             self.waiting.remove(req)
         elif self.chunked is not None and self.chunked.rid == rid:
             req, self.chunked = self.chunked, None
-        elif (req := next((r for r in self.held if r.rid == rid), None)) is not None:
-            self.held.remove(req)
         return req
 
     def clear(self) -> None:
-        self.waiting, self.chunked, self.held = deque(), None, []
+        self.waiting, self.chunked, self.unqueued = deque(), None, []
 
     def ordered_waiting(self) -> list[Req]:
         if self.schedule_policy == "lpm" and not self.cache.disabled and len(self.waiting) > 1:
@@ -103,12 +102,9 @@ class Admission:
                 active.add(req.lora_id)
             match = self.cache.match_prefix(req.fill_ids[:-1], req.cache_namespace)
             extend = req.prefill_end - match.length
-            if extend <= 0:  # a held request with nothing to prefill yet: it holds its row and prefix, and waits
-                self.cache.lock(match.node)
+            if extend <= 0:  # a request whose grammar compiles, with nothing to prefill before it: out of the queue
                 self.waiting.remove(req)
-                self._admit(req, match)
-                self.held.append(req)
-                rows_left -= 1
+                self.unqueued.append(req)
                 continue
             take = min(extend, budget) if chunk_size > 0 else extend
             if chunk_size <= 0 and picked and take > budget:

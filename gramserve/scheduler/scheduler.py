@@ -113,6 +113,7 @@ class Scheduler:
         # Prefilled but for their last token, waiting for their grammar (Req.grammar_pending), by rid; they are in
         # grammar_wait too.
         self.parked: dict[str, Req] = {}
+        self._stalled = False  # the last step found nothing to run while parked requests held what waiting ones need
         # Where a request's time to first token goes on this side: waiting for its compile answer, and from its
         # arrival here to its first token (free and constrained apart). The client's TTFT less the latter is the
         # main process's share (HTTP, template, tokenizing, streaming).
@@ -169,10 +170,11 @@ class Scheduler:
     # --- arrival --------------------------------------------------------------------------------
 
     def add_request(self, msg: TokenizedGenerateReq) -> Req:
+        self._stalled = False
         budget = self.context_length - len(msg.input_ids)
         max_new = budget if msg.sampling.max_new_tokens is None else min(msg.sampling.max_new_tokens, budget)
         req = Req(msg, max(max_new, 1), self.eos_ids)
-        queued = len(self.admission.waiting) + len(self.parked)
+        queued = len(self.admission.waiting) + len(self.parked) + self._unqueued_compiles()
         if max_new < 1 or len(msg.input_ids) + 1 > self.allocator.size:
             req.finished = FinishReason(
                 "abort", message="prompt does not fit in the KV cache / context", status_code=400
@@ -190,7 +192,9 @@ class Scheduler:
                 self.grammar_early[req.rid] = req
             else:
                 self.grammar_wait[req.rid] = req
-                req.grammar_pending = not req.images  # an image's placeholder may not go in as a decode row
+                # Not with images (a placeholder may not go in as a decode row), nor an adapter (its slot could go to
+                # another adapter while it is parked).
+                req.grammar_pending = not req.images and not req.lora_id
                 if not req.grammar_pending:
                     return req
         if req.finished is not None:
@@ -199,11 +203,16 @@ class Scheduler:
             self.admission.waiting.append(req)
         return req
 
+    def _unqueued_compiles(self) -> int:
+        """Requests waiting for their compile outside the waiting queue (not held: images, adapters, cached)."""
+        return sum(not r.grammar_pending for r in self.grammar_wait.values())
+
     def poll_grammar(self) -> None:
         """Move requests whose grammar compiled to the waiting queue; fail those whose grammar did not."""
         if self.grammar is None:
             return
         for resp in self.grammar.poll_compiles():
+            self._stalled = False
             req = self.grammar_wait.pop(resp.rid, None)
             if req is None:
                 req = self.grammar_early.pop(resp.rid, None)
@@ -250,9 +259,8 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(
-            self.running or self.admission.waiting or self.admission.chunked or self.finished_early or self.inflight
-        )
+        waiting = self.admission.waiting and not self._stalled
+        return bool(self.running or waiting or self.admission.chunked or self.finished_early or self.inflight)
 
     @torch.inference_mode()
     def step(self) -> BatchTokenOut | None:
@@ -304,13 +312,15 @@ class Scheduler:
         # a burst of new prompts stalls the running streams for a bounded time.
         limit = self.max_consecutive_prefills
         if not self.running or limit == 0 or self._prefills_in_a_row < limit:
-            picked = self.admission.schedule_prefill(self.running)
+            # Parked requests hold KV and will decode: admission reserves room for them as for running ones.
+            holders = self.running + list(self.parked.values()) if self.parked else self.running
+            picked = self.admission.schedule_prefill(holders)
         if self.admission.failed:
             self.finished_early += self.admission.failed
             self.admission.failed = []
-        if self.admission.held:
-            self.parked.update((r.rid, r) for r in self.admission.held)
-            self.admission.held = []
+        for req in self.admission.unqueued:  # queued again by their compile answer (poll_grammar)
+            req.grammar_pending = False
+        self.admission.unqueued = []
         riders: list[Req] = []
         if picked:
             riders = self._riders(picked)
@@ -334,7 +344,11 @@ class Scheduler:
             reqs = sampling = [r for r in self.running if r.finished is None]
             batch = self.batches.decode(reqs)
         else:
+            # Nothing runs and the waiting queue cannot go on (parked requests hold the rows or the KV it needs):
+            # wait for a compile answer or a new message instead of spinning.
+            self._stalled = bool(self.parked)
             return None
+        self._stalled = False
         grammar = None
         if not self.overlap:  # every input token is known: masks are filled while the model runs
             grammar = self._masks_for(self._grammar_rows(reqs, sampling))
@@ -518,11 +532,16 @@ class Scheduler:
         return out
 
     def abort(self, rid: str) -> BatchTokenOut | None:
+        self._stalled = False
         req = self._take(rid)
         if req is None or req.finished is not None:
             return None
         req.finished = FinishReason("abort", message="aborted")
-        return self._output([req])
+        out = self._output([req])
+        if self.grammar is not None and req.grammar is not None and not any(r.constrained for r in self.running):
+            # Nothing sends a grammar step soon: the free goes now, so a compile nobody waits for is dropped.
+            self.grammar.flush()
+        return out
 
     def _take(self, rid: str) -> Req | None:
         """Remove a request from wherever it waits or runs."""
@@ -624,7 +643,7 @@ class Scheduler:
             self.kv,
             self.stats,
             len(self.running),
-            len(self.admission.waiting),
+            len(self.admission.waiting) - sum(r.grammar_pending for r in self.admission.waiting),  # those compile
             len(self.grammar_wait),
             self.grammar,
             self.phases,

@@ -535,10 +535,8 @@ class TokenizerManager:
                 continue
             seen.add(one)
             todo.extend(self.rid_groups.get(one, ()))  # a group's members may be groups
-            k = 0  # a completion of several prompts: one group per prompt, `{rid}-{k}`
-            while f"{one}-{k}" in self.rid_groups:
-                todo.append(f"{one}-{k}")
-                k += 1
+            # A completion of several prompts: one group per prompt, `{rid}-{k}` (those done are gone).
+            todo.extend(g for g in self.rid_groups if g.startswith(one + "-") and g[len(one) + 1 :].isdigit())
             one = self._retry_of.get(one, one)
             if one in self.states:
                 self.to_scheduler.send_pyobj(AbortReq(one))
