@@ -825,37 +825,6 @@ def test_a_range_whose_bounds_are_not_multiples_is_served(client, model_name):
         time.sleep(0.5)
 
 
-def test_greedy_outputs_do_not_depend_on_the_backend(client, model_name):
-    """The same greedy request under xgrammar and under llguidance gives the same object: where the schema forces a
-    property name, xgrammar allowed "n" before "name" and the model derailed (`"name": "name", "age": 1`), so the
-    answer changed once auto moved the schema to xgrammar (a new user's finding)."""
-    schema = {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 13},
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-            "role": {"enum": ["admin", "user"]},
-        },
-        "required": ["name", "age", "role"],
-        "additionalProperties": False,
-    }
-    outputs = {}
-    for backend in ("llguidance", "xgrammar"):
-        r = client.chat.completions.create(
-            model=model_name,
-            messages=[{"role": "user", "content": "Make a person."}],
-            max_tokens=60,
-            temperature=0,
-            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
-            extra_body={"grammar_backend": backend},
-        )
-        assert r.choices[0].finish_reason == "stop"
-        outputs[backend] = json.loads(r.choices[0].message.content)
-        jsonschema.validate(outputs[backend], schema)
-    assert outputs["xgrammar"] == outputs["llguidance"]
-    assert outputs["xgrammar"]["name"] != "name"
-
-
 def test_a_prompt_prefills_while_its_new_grammar_compiles(client, model_name, base_url):
     """A request whose grammar is new prefills its prompt but for the last token while the grammar compiles; that
     token then goes in as a decode row (Req.grammar_pending). Its greedy output equals the same request's once the

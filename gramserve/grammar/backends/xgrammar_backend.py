@@ -52,7 +52,6 @@ from .base import (
     parse_choices,
     parse_json_schema,
 )
-from .forced_text import ForcedText
 
 if TYPE_CHECKING:
     from gramserve.grammar.fill import FillPool
@@ -61,23 +60,11 @@ logger = logging.getLogger(__name__)
 
 
 class XGrammarMatcher(Matcher):
-    def __init__(
-        self, compiled: xgr.CompiledGrammar, eos: list[int], text_vocab: int, vocab_size: int, forced: ForcedText
-    ):
+    def __init__(self, compiled: xgr.CompiledGrammar, eos: list[int], text_vocab: int, vocab_size: int):
         self._m = xgr.GrammarMatcher(compiled)
         self._eos = eos
         self._text_vocab = text_vocab
         self._vocab_size = vocab_size
-        self._forced = forced
-
-    def _only_the_tokenizers_token(self, bitmask: torch.Tensor, row: int) -> None:
-        """Where the grammar forces the next characters, the tokenizer's own token for them (forced_text.py)."""
-        try:
-            forced = self._m.find_jump_forward_string()
-        except Exception:  # noqa: BLE001 - text xgrammar cannot hand over (split UTF-8): the mask stays
-            return
-        if forced:
-            self._forced.restrict(bitmask, row, forced)
 
     def accept_token(self, token_id: int) -> bool:
         token_id = int(token_id)
@@ -101,7 +88,6 @@ class XGrammarMatcher(Matcher):
         self._m.fill_next_token_bitmask(bitmask, row)
         if bitmask.shape[1] * 32 > self._vocab_size:
             clear_columns_from(bitmask, row, self._vocab_size)
-        self._only_the_tokenizers_token(bitmask, row)
 
     @classmethod
     def fill_rows(cls, rows: Sequence[tuple[XGrammarMatcher, int]], bitmask: torch.Tensor, pool: FillPool) -> None:
@@ -113,18 +99,16 @@ class XGrammarMatcher(Matcher):
                 m.fill_bitmask(bitmask, row)
                 continue
             matchers, live_rows = live.setdefault(m._vocab_size, ([], []))
-            matchers.append(m)
+            matchers.append(m._m)
             live_rows.append(row)
         threads = pool.threads_for(len(rows), cls.__name__)
         batch = pool.executor("xgrammar", threads, xgr.BatchGrammarMatcher)
         t0 = time.perf_counter()
         for vocab_size, (matchers, live_rows) in live.items():
             check_bitmask(bitmask, vocab_size)
-            batch.batch_fill_next_token_bitmask([m._m for m in matchers], bitmask, live_rows)
+            batch.batch_fill_next_token_bitmask(matchers, bitmask, live_rows)
             if bitmask.shape[1] * 32 > vocab_size:
                 clear_columns_from(bitmask, live_rows, vocab_size)
-            for m, row in zip(matchers, live_rows):
-                m._only_the_tokenizers_token(bitmask, row)
         pool.record(cls.__name__, sum(len(r) for _, r in live.values()), time.perf_counter() - t0, threads)
 
     def is_terminated(self) -> bool:
@@ -147,7 +131,6 @@ class XGrammarBackend(GrammarBackend):
             stop_token_ids=self.eos_token_ids,
             add_prefix_space=False,
         )
-        self.forced_text = ForcedText(tokenizer, self.vocab.tokens[: self.vocab_size])
         self.compiler = xgr.GrammarCompiler(
             self.tokenizer_info,
             max_threads=max(1, self.options.compile_threads),
@@ -247,7 +230,7 @@ class XGrammarBackend(GrammarBackend):
     def matcher(self, compiled: object) -> Matcher:
         if not isinstance(compiled, xgr.CompiledGrammar):
             raise TypeError("not a grammar compiled by the xgrammar backend")
-        return XGrammarMatcher(compiled, self.eos_token_ids, self.text_vocab_size, self.vocab_size, self.forced_text)
+        return XGrammarMatcher(compiled, self.eos_token_ids, self.text_vocab_size, self.vocab_size)
 
 
 _LOG_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+\.(?:cc|h|cpp):\d+:\s*", re.M)
