@@ -129,9 +129,7 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
 def _wake(fd: int) -> None:
     try:
         os.write(fd, b"x")
-    except BlockingIOError:  # the pipe is full: the loop has wakeups enough pending
-        pass
-    except OSError:  # closed at shutdown while a compile thread ended
+    except OSError:  # full (the loop has wakeups enough pending), or closed at shutdown as a compile thread ended
         pass
 
 

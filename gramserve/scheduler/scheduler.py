@@ -174,12 +174,11 @@ class Scheduler:
         budget = self.context_length - len(msg.input_ids)
         max_new = budget if msg.sampling.max_new_tokens is None else min(msg.sampling.max_new_tokens, budget)
         req = Req(msg, max(max_new, 1), self.eos_ids)
-        queued = len(self.admission.waiting) + len(self.parked) + self._unqueued_compiles()
         if max_new < 1 or len(msg.input_ids) + 1 > self.allocator.size:
             req.finished = FinishReason(
                 "abort", message="prompt does not fit in the KV cache / context", status_code=400
             )
-        elif self.max_queued_requests is not None and queued >= self.max_queued_requests:
+        elif self.max_queued_requests is not None and (queued := self._queued()) >= self.max_queued_requests:
             req.finished = FinishReason(
                 "abort", message=f"the waiting queue is full ({queued} requests); retry later", status_code=503
             )
@@ -203,9 +202,11 @@ class Scheduler:
             self.admission.waiting.append(req)
         return req
 
-    def _unqueued_compiles(self) -> int:
-        """Requests waiting for their compile outside the waiting queue (not held: images, adapters, cached)."""
-        return sum(not r.grammar_pending for r in self.grammar_wait.values())
+    def _queued(self) -> int:
+        """Requests not running yet: waiting, parked, or waiting for their compile outside the waiting queue (not
+        held: images, adapters, a prompt cached but for its last token)."""
+        unqueued = sum(not r.grammar_pending for r in self.grammar_wait.values())
+        return len(self.admission.waiting) + len(self.parked) + unqueued
 
     def poll_grammar(self) -> None:
         """Move requests whose grammar compiled to the waiting queue; fail those whose grammar did not."""
