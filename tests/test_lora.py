@@ -388,6 +388,35 @@ def test_a_load_does_not_stall_running_requests(tmp_path):
 # --- the segmented matmul ----------------------------------------------------------------------------------------
 
 
+def test_short_prompts_beside_a_long_prompts_chunks_keep_its_adapter(adapter_dirs, tokenizer):
+    """Short prompts admitted beside a long prompt's chunks count its adapter as in the batch: with two device slots,
+    the third adapter waits instead of taking the long prompt's slot between two of its chunks (its tokens would
+    change)."""
+    from test_kv_scheduling import short_prompts_beside_a_long_one
+
+    from gramserve.config import ServerArgs
+    from gramserve.scheduler.scheduler import Scheduler
+    from gramserve.server.settings import in_process_config
+
+    args = ServerArgs(
+        kv_cache_memory_gb=0.3, chunked_prefill_size=64, enable_lora=True, max_loras_per_batch=2, max_lora_rank=32
+    )
+
+    def scheduler():
+        sched = Scheduler(in_process_config(args), tokenizer)
+        for lora_id, name in enumerate(("a", "b", "c"), start=1):
+            assert sched.load_lora(name, lora_id, adapter_dirs[name]) is None
+        loaded, deadline = [], time.time() + 120
+        while len(loaded) < 3 and time.time() < deadline:
+            loaded += sched.finished_lora_loads()
+            time.sleep(0.05)
+        assert sorted(q for q, answer in loaded if answer["ok"]) == ["a", "b", "c"], loaded
+        return sched
+
+    first = short_prompts_beside_a_long_one(scheduler, {"long": 1, "short0": 2, "short2": 3})
+    assert max(first["short0"], first["short1"]) < first["long"], first
+
+
 def test_segments_group_rows_of_one_slot():
     from gramserve.model.lora.batch import segments_of
 

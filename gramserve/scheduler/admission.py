@@ -16,7 +16,7 @@ from gramserve.scheduler.stats import SchedulerCounters
 
 logger = logging.getLogger(__name__)
 
-LPM_WINDOW = 128  # waiting requests scored by prefix match per step (bounds the policy's cost)
+LPM_WINDOW = 128  # waiting requests scored by prefix match per step, or passed over as too long (bounds the cost)
 
 
 class Admission:
@@ -72,23 +72,38 @@ class Admission:
         requests leave the waiting queue with their slot-table row and cached prefix."""
         if not (self.waiting or self.chunked):
             return []
-        chunk_size = self.chunk_size
-        budget = chunk_size if chunk_size > 0 else self.max_prefill_tokens
-        available = self.kv.available
+        budget = self.chunk_size if self.chunk_size > 0 else self.max_prefill_tokens
         picked: list[tuple[Req, int]] = []
-        if self.chunked is not None:
-            req = self.chunked
-            take = min(req.prefill_end - req.kv_len, budget, available())
-            if take > 0:  # else wait for running requests to finish and free memory
-                picked.append((req, take))
-                budget -= take
-        reserved = self.kv.reserved(running)
+        chunked = self.chunked
+        if chunked is None:
+            self._pick_waiting(picked, budget, running, whole_only=False)
+            return picked
+        # A long prompt's chunks would take every step's budget and hold each new request back for the whole
+        # prefill (on a CPU, tens of seconds): new prompts that fit whole in half the budget go first, and the
+        # chunked request takes the rest, at least half, so it keeps going. They count it as running, and leave
+        # the KV free for the rest of its prompt.
+        rest = chunked.prefill_end - chunked.kv_len
+        taken = self._pick_waiting(picked, budget // 2, running + [chunked], whole_only=True, keep_free=rest)
+        take = min(rest, budget - taken, self.kv.available() - taken)
+        if take > 0:  # else wait for running requests to finish and free memory
+            picked.insert(0, (chunked, take))
+        return picked
+
+    def _pick_waiting(
+        self, picked: list[tuple[Req, int]], budget: int, running: list[Req], whole_only: bool, keep_free: int = 0
+    ) -> int:
+        """Admit waiting requests in policy order into `picked` within `budget` new tokens; the last one may be
+        cut into a chunk (it becomes `chunked`) unless `whole_only`. `keep_free` KV slots stay out of their reach.
+        Returns the tokens taken."""
+        chunk_size = self.chunk_size
+        available = self.kv.available
+        reserved = self.kv.reserved(running) + keep_free
         ratio = self.kv.reserve_ratio
-        taken = sum(n for _, n in picked)
+        taken = skipped = 0
         rows_left = self.req_pool.num_free
         active = None  # adapters of the running and picked requests (LoRA only)
         for req in self.ordered_waiting():
-            if budget <= 0 or rows_left == 0 or self.chunked is not None:
+            if budget <= 0 or rows_left == 0 or skipped == LPM_WINDOW:
                 break
             if req.lora_id and self.lora is not None:
                 if active is None:
@@ -98,13 +113,14 @@ class Admission:
                     continue  # its adapter waits for a free slot (--max-loras-per-batch)
                 if not self._lora_ready(req):
                     continue  # its adapter is being read again, or could not be (failed)
-                req.lora_slot = self.lora.acquire(req.lora_id, active)
-                active.add(req.lora_id)
             match = self.cache.match_prefix(req.fill_ids[:-1], req.cache_namespace)
             extend = req.prefill_end - match.length
             if extend <= 0:  # a request whose grammar compiles, with nothing to prefill before it: out of the queue
                 self.waiting.remove(req)
                 self.unqueued.append(req)
+                continue
+            if whole_only and extend > budget:
+                skipped += 1  # a long prompt waits for the chunked one; shorter ones behind it may still fit
                 continue
             take = min(extend, budget) if chunk_size > 0 else extend
             if chunk_size <= 0 and picked and take > budget:
@@ -115,6 +131,9 @@ class Admission:
             if take > room or (take + reserve > room - reserved and (picked or running)):
                 self.cache.unlock(match.node)
                 break
+            if req.lora_id and self.lora is not None:
+                req.lora_slot = self.lora.acquire(req.lora_id, active)
+                active.add(req.lora_id)
             self.waiting.remove(req)
             self._admit(req, match)
             picked.append((req, take))
@@ -124,7 +143,8 @@ class Admission:
             rows_left -= 1
             if take < extend:
                 self.chunked = req
-        return picked
+                break
+        return taken
 
     def _lora_ready(self, req: Req) -> bool:
         try:
