@@ -87,6 +87,10 @@ class Admission:
         take = min(rest, budget - taken, self.kv.available() - taken)
         if take > 0:  # else wait for running requests to finish and free memory
             picked.insert(0, (chunked, take))
+        if take == rest and taken + take < budget:  # its last chunk: the rest of the budget goes to the queue
+            self._pick_waiting(
+                picked, budget - taken - take, running + [chunked], whole_only=False, keep_free=taken + take
+            )
         return picked
 
     def _pick_waiting(
