@@ -32,4 +32,4 @@ lint: install-test
 	$(PYTHON) -m ruff format --check .
 
 test: lint
-	$(PYTHON) -m pytest tests -q
+	$(PYTHON) -m pytest tests -q --durations=40
