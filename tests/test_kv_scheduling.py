@@ -178,6 +178,13 @@ def test_short_prompts_go_in_beside_a_long_prompts_chunks(tokenizer):
     assert max(first[rid] for rid in ("short0", "short1", "short2")) < first["long"], first
     assert first["short0"] <= 4 and first["short2"] <= 6, first  # the step after they arrived, or the next
 
+    # The request between two of its chunks counts as running in /get_server_info (it was in no count).
+    sched = Scheduler(in_process_config(args), tokenizer)
+    sched.add_request(TokenizedGenerateReq("long", list(range(1000, 1400)), SamplingParams(max_new_tokens=2)))
+    sched.step()
+    info = sched.server_info()
+    assert (info["num_running"], info["num_waiting"]) == (1, 0), info
+
 
 def test_http_cached_tokens_flush_and_retraction(tight_server):
     url = tight_server.base_url

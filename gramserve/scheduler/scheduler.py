@@ -643,7 +643,7 @@ class Scheduler:
             self.sampler.backend,
             self.kv,
             self.stats,
-            len(self.running),
+            len(self.running) + (self.admission.chunked is not None),  # parked requests count as compiling
             len(self.admission.waiting) - sum(r.grammar_pending for r in self.admission.waiting),  # those compile
             len(self.grammar_wait),
             self.grammar,
