@@ -116,14 +116,15 @@ async def _complete(base_url: str, model: str | None, prompt: str, **extra) -> d
     return r.json()
 
 
-def test_models_list_the_adapters(lora_server):
+def test_models_list_the_adapters(lora_server, adapter_dirs):
     from openai import OpenAI
 
     client = OpenAI(base_url=lora_server.base_url + "/v1", api_key="none", max_retries=0)
     ids = [m.id for m in client.models.list().data]
     assert ids[1:] == ["a", "b", "c"] and ids[0] == "SmolLM2-135M-Instruct"
     card = client.models.retrieve("b")
-    assert card.id == "b" and card.parent == "SmolLM2-135M-Instruct"
+    # As vLLM: an adapter's root is its folder, its parent the base model.
+    assert card.id == "b" and card.parent == "SmolLM2-135M-Instruct" and card.root == adapter_dirs["b"]
 
 
 def test_mixed_batch_matches_hf_peft(lora_server, adapter_dirs, tokenizer):

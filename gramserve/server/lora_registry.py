@@ -29,6 +29,7 @@ class LoRANotFoundError(ModelNotServedError):
 class Adapter:
     name: str
     lora_id: int
+    path: str  # its PEFT folder (/v1/models gives it as `root`, as vLLM does)
     refs: int = 0  # requests in flight
     unloading: bool = False
     idle: asyncio.Event = field(default_factory=asyncio.Event)
@@ -40,14 +41,18 @@ class LoRARegistry:
         self.base_name = config.args.model_name
         self._control = control  # TokenizerManager.control: a query to the scheduler
         self.adapters: dict[str, Adapter] = {}
-        for lora_id, (name, _) in enumerate(config.settings.lora_modules, start=1):  # the scheduler's ids
-            self.adapters[name] = Adapter(name, lora_id)
+        for lora_id, (name, path) in enumerate(config.settings.lora_modules, start=1):  # the scheduler's ids
+            self.adapters[name] = Adapter(name, lora_id, str(path))
         self._next_id = len(self.adapters) + 1
         self._lock = asyncio.Lock()  # one load or unload at a time
 
     @property
     def names(self) -> list[str]:
         return [a.name for a in self.adapters.values() if not a.unloading]
+
+    @property
+    def served(self) -> list[Adapter]:
+        return [a for a in self.adapters.values() if not a.unloading]
 
     def adapter_for(self, model: str | None, lora_path: str | None = None) -> str | None:
         """The adapter a request names (None: the base model); 404 for a name this server does not serve."""
@@ -108,7 +113,7 @@ class LoRARegistry:
             result = await self._control("load_lora", {"lora_id": lora_id, "path": path}, timeout=LOAD_TIMEOUT_S)
             if not result.get("ok"):
                 raise InvalidRequestError(result.get("error", "the adapter could not be loaded"), "lora_path")
-            self.adapters[name] = Adapter(name, lora_id)
+            self.adapters[name] = Adapter(name, lora_id, path)
         logger.info("LoRA adapter %s loaded (id %d, rank %s)", name, lora_id, result.get("rank"))
         return result
 

@@ -25,7 +25,7 @@ def openai_router(config: ServerConfig, tm: TokenizerManager, runner_info: dict)
         length = runner_info.get("context_length")
         base = P.ModelCard(id=args.model_name, root=args.model_name, max_model_len=length)
         adapters = [
-            P.ModelCard(id=name, root=name, parent=args.model_name, max_model_len=length) for name in tm.lora.names
+            P.ModelCard(id=a.name, root=a.path, parent=args.model_name, max_model_len=length) for a in tm.lora.served
         ]
         return [base, *adapters]
 
