@@ -272,13 +272,21 @@ def test_sigterm_lets_running_requests_finish(servers, tmp_path, ipc_tmp):
     assert not _wait_gone(children, timeout=10)
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sigterm twice"])
 def test_graceful_shutdown(servers, tmp_path, ipc_tmp, how):
+    """ "sigterm twice": the second signal, while a stream runs, stops the server at once (it logged a traceback)."""
     srv, children = _start(servers, tmp_path)
+    stream = None
     if how == "ctrl-c":
         # A terminal's Ctrl-C signals the whole foreground process group (the server runs in its own session).
         os.killpg(srv.proc.pid, signal.SIGINT)
+    elif how == "sigterm":
+        srv.proc.send_signal(signal.SIGTERM)
     else:
+        stream = _Stream(srv.base_url, max_new_tokens=3000)
+        time.sleep(0.5)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
         srv.proc.send_signal(signal.SIGTERM)
 
     try:
@@ -292,3 +300,6 @@ def test_graceful_shutdown(servers, tmp_path, ipc_tmp, how):
     left = _wait_gone(children, timeout=10)
     assert not left, f"child processes left behind: {_describe(left)}"
     assert not glob.glob(os.path.join(ipc_tmp, "gramserve-ipc-*")), "IPC folder left behind"
+    if stream is not None:
+        stream.join(timeout=10)
+        assert stream.error is not None and "shutting down" in stream.error["message"], stream.events[-1:]

@@ -8,6 +8,7 @@ children are stopped too (and they exit on their own if we vanish). A second sig
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -87,6 +88,15 @@ class _Server(uvicorn.Server):
     def capture_signals(self):
         yield
 
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        lifespan = getattr(self, "lifespan", None)
+        if self.force_exit and lifespan is not None and not lifespan.shutdown_event.is_set():
+            # A forced exit (a second signal) skips the app's shutdown in uvicorn; the lifespan task then ends
+            # cancelled with the loop and logs a traceback. Run it, briefly.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(lifespan.shutdown(), FORCED_SHUTDOWN_S)
+
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -114,6 +124,7 @@ def startup_summary(config: ServerConfig, runner_info: dict, port: int | None = 
     return f"serving on http://{host}:{args.port if port is None else port}: " + ", ".join(parts)
 
 
+FORCED_SHUTDOWN_S = 2.0  # the app's own shutdown on a forced exit
 FLUSH_S = 1.0  # after failing the requests in flight: time for their error answers to reach the clients
 
 
