@@ -47,12 +47,12 @@ class LoRARegistry:
         self._lock = asyncio.Lock()  # one load or unload at a time
 
     @property
-    def names(self) -> list[str]:
-        return [a.name for a in self.adapters.values() if not a.unloading]
-
-    @property
     def served(self) -> list[Adapter]:
         return [a for a in self.adapters.values() if not a.unloading]
+
+    @property
+    def names(self) -> list[str]:
+        return [a.name for a in self.served]
 
     def adapter_for(self, model: str | None, lora_path: str | None = None) -> str | None:
         """The adapter a request names (None: the base model); 404 for a name this server does not serve."""
