@@ -17,12 +17,18 @@ after one free token per prompt has put every prompt in the prefix cache (so nei
 does not).
 
 Reported per (grammar, c): mean TPOT (per request: time from first to last token / (tokens - 1)) of each kind and
-their ratio, output tok/s of each and their ratio, the grammar workers' fill time per reply and per step (deltas
+their ratio; the decode step's wall time of each kind and their ratio, from the server's own count
+(``step_phases_ms.decode_steps`` of ``/get_server_info``, at the batch size where the constrained runs decoded most
+of their tokens: a steadier figure than TPOT, which also holds the prefill steps, the client's load and the runs'
+tails); output tok/s of each and their ratio, the grammar workers' fill time per reply and per step (deltas
 of ``/get_server_info``), the compile time of the new grammar, the backend that served it, invalid and cut counts.
 
 ``--many N`` adds a run where every request has a different schema (N schemas of ``--corpus``, the MaskBench dev
 splits), at ``--many-concurrency`` (default: the largest of ``--concurrencies``), against free requests of the same
 lengths.
+
+The streams of a batch spread over ``--client-procs`` client processes (a quarter of the cores, at most 4): one
+Python process parsing 25,000 events a second (c=256 at 10 ms a step) is itself the bottleneck of the times it reads.
 
 The server is started with ``--server-args`` (helpers of ``run_cpu_suite.py``) unless ``--base-url`` is given.
 A markdown table (machine, date, exact command) is printed and, with every number, written to ``--output-dir``.
@@ -37,7 +43,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -46,6 +54,7 @@ import statistics
 import sys
 import time
 import uuid
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -145,11 +154,13 @@ class Result:
 
 class Http:
     """httpx for the server's reports; aiohttp, where installed, for the streams (its CPU per streamed token is a
-    third of httpx's: bench_serving.py)."""
+    third of httpx's: bench_serving.py); with --client-procs, batches spread over that many client processes, so
+    one Python process's parsing of thousands of events a second does not set the times it measures."""
 
-    def __init__(self, client: httpx.AsyncClient, session=None):
+    def __init__(self, client: httpx.AsyncClient, session=None, pool: Executor | None = None, procs: int = 1):
         self.client = client
         self.session = session
+        self.pool, self.procs = pool, procs  # client processes for the batches (--client-procs), if more than one
 
     async def get(self, url: str, timeout: float = 60) -> httpx.Response:
         return await self.client.get(url, timeout=timeout)
@@ -207,6 +218,9 @@ def request_body(model: str, prompt: str, max_tokens: int, temperature: float, e
 async def run_batch(
     http: Http, url: str, bodies: list[dict], concurrency: int, timeout: float
 ) -> tuple[list[Result], float]:
+    """The results of `bodies` (in their order) with at most `concurrency` in flight, and the wall time."""
+    if http.pool is not None and concurrency > 1 and len(bodies) > 1:
+        return await _run_batch_in_processes(http, url, bodies, concurrency, timeout)
     sem = asyncio.Semaphore(concurrency)
 
     async def one(body: dict) -> Result:
@@ -216,6 +230,46 @@ async def run_batch(
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(b) for b in bodies))
     return list(results), time.perf_counter() - t0
+
+
+async def _run_batch_in_processes(
+    http: Http, url: str, bodies: list[dict], concurrency: int, timeout: float
+) -> tuple[list[Result], float]:
+    """run_batch over the client processes: process i streams bodies[i::n] with its share of the concurrency."""
+    n = min(http.procs, concurrency, len(bodies))
+    loop = asyncio.get_running_loop()
+    shares = [
+        loop.run_in_executor(
+            http.pool, _client_process_batch, url, bodies[i::n], concurrency // n + (i < concurrency % n), timeout
+        )
+        for i in range(n)
+    ]
+    results: list[Result] = [Result()] * len(bodies)
+    starts, ends = [], []
+    for i, (share, t0, t1) in enumerate(await asyncio.gather(*shares)):
+        results[i::n] = [Result(**r) for r in share]
+        starts.append(t0)
+        ends.append(t1)
+    return results, max(ends) - min(starts)
+
+
+def _client_process_batch(url: str, bodies: list[dict], concurrency: int, timeout: float):
+    """In a client process: stream `bodies` on its own event loop and connections; plain dicts (picklable under
+    spawn) and the monotonic clock's start and end (one clock for every process)."""
+
+    async def go():
+        limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+            session = aiohttp_session()
+            try:
+                t0 = time.monotonic()
+                res, _ = await run_batch(Http(client, session), url, bodies, concurrency, timeout)
+                return [dataclasses.asdict(r) for r in res], t0, time.monotonic()
+            finally:
+                if session is not None:
+                    await session.close()
+
+    return asyncio.run(go())
 
 
 async def server_info(http: Http, base_url: str) -> dict[str, Any]:
@@ -244,7 +298,37 @@ def phases_per_step(before: dict, after: dict) -> dict[str, float]:
     steps = pa.get("steps", 0) - pb.get("steps", 0)
     if steps <= 0:
         return {}
-    return {k: round((v - pb.get(k, 0.0)) / steps, 4) for k, v in pa.items() if k != "steps"} | {"steps": steps}
+    return {
+        k: round((v - pb.get(k, 0.0)) / steps, 4) for k, v in pa.items() if isinstance(v, (int, float)) and k != "steps"
+    } | {"steps": steps}
+
+
+def decode_cadence(before: dict, after: dict) -> dict[str, list[float]]:
+    """Batch size (rounded up to a power of two) -> [steps, ms, rows] of the decode-only steps between two reports
+    (`step_phases_ms.decode_steps.by_rows`: each step from its start to the next step's start, so prefill steps
+    and idle waits are out)."""
+    db = ((before.get("step_phases_ms") or {}).get("decode_steps") or {}).get("by_rows") or {}
+    da = ((after.get("step_phases_ms") or {}).get("decode_steps") or {}).get("by_rows") or {}
+    return {k: [a - b for a, b in zip(v, db.get(k, [0, 0.0, 0]))] for k, v in da.items()}
+
+
+def add_cadence(total: dict[str, list[float]], part: dict[str, list[float]]) -> None:
+    for k, v in part.items():
+        total[k] = [a + b for a, b in zip(total.get(k, [0, 0.0, 0]), v)]
+
+
+def compare_cadence(constrained: dict[str, list[float]], free: dict[str, list[float]]) -> dict[str, Any]:
+    """Decode step ms of each kind at the batch size where the constrained runs decoded most of their tokens."""
+    if not constrained or not free:
+        return {}
+    size = max(constrained, key=lambda k: constrained[k][2])
+    c, f = constrained[size], free.get(size, [0, 0.0, 0])
+    out = {"decode_batch_size": int(size), "decode_steps": [c[0], f[0]]}
+    for kind, (steps, ms, rows) in (("constrained", c), ("free", f)):
+        out[f"{kind}_decode_step_ms"] = ms / steps if steps else None
+        out[f"{kind}_decode_rows"] = rows / steps if steps else None
+    out["decode_step_ratio"] = ratio(out["constrained_decode_step_ms"], out["free_decode_step_ms"])
+    return out
 
 
 def mean(values: list[Optional[float]]) -> Optional[float]:
@@ -285,6 +369,8 @@ async def measure(
     c_by_repeat: list[float] = []  # mean TPOT ms of each repeat, in order (a cold first run shows itself)
     f_by_repeat: list[float] = []
     f_phases: list[dict] = []
+    c_cadence: dict[str, list[float]] = {}  # the decode-only steps of each kind's runs (decode_cadence)
+    f_cadence: dict[str, list[float]] = {}
     for rep in range(args.repeats):
         for kind in ("c", "f") if rep % 2 == 0 else ("f", "c"):
             which = "constrained" if kind == "c" else "free"
@@ -294,6 +380,7 @@ async def measure(
                 res, wall = await run_batch(http, url, bodies, concurrency, args.timeout)
                 a0 = await server_info(http, args.base_url)
                 c_phases.append(phases_per_step(b0, a0))
+                add_cadence(c_cadence, decode_cadence(b0, a0))
                 before, after = before or b0, a0
                 constrained += res
                 c_by_repeat.append(round((mean([r.tpot for r in res]) or 0) * 1e3, 2))
@@ -312,7 +399,9 @@ async def measure(
             else:
                 b0 = await server_info(http, args.base_url)
                 res, wall = await run_batch(http, url, free_bodies, concurrency, args.timeout)
-                f_phases.append(phases_per_step(b0, await server_info(http, args.base_url)))
+                a0 = await server_info(http, args.base_url)
+                f_phases.append(phases_per_step(b0, a0))
+                add_cadence(f_cadence, decode_cadence(b0, a0))
                 free += res
                 f_by_repeat.append(round((mean([r.tpot for r in res]) or 0) * 1e3, 2))
                 f_wall += wall
@@ -358,6 +447,8 @@ async def measure(
         "free_phases_ms": f_phases[-1] if f_phases else {},
     }
     row["tpot_ratio"] = ratio(row["constrained_tpot_ms"], row["free_tpot_ms"])
+    # The steadier figure: a decode step's wall time, constrained against free, at the same batch sizes.
+    row.update(compare_cadence(c_cadence, f_cadence))
     row["tok_s_ratio"] = ratio(row["constrained_tok_s"], row["free_tok_s"])
     return row
 
@@ -413,14 +504,21 @@ async def run_all(args: argparse.Namespace) -> tuple[list[dict], list[dict], dic
     limits = httpx.Limits(
         max_connections=max(args.concurrencies) + 8, max_keepalive_connections=max(args.concurrencies) + 8
     )
+    pool = None
+    if args.client_procs > 1:
+        pool = ProcessPoolExecutor(args.client_procs, mp_context=multiprocessing.get_context("spawn"))
+        # start them now (spawn imports this module in each), not inside the first timed batch
+        list(pool.map(time.sleep, [0.1] * args.client_procs))
     async with httpx.AsyncClient(limits=limits, timeout=args.timeout) as client:
         session = aiohttp_session()
-        http = Http(client, session)
+        http = Http(client, session, pool, args.client_procs)
         try:
             return await _run_all(args, http, rows, cold)
         finally:
             if session is not None:
                 await session.close()
+            if pool is not None:
+                pool.shutdown()
 
 
 async def _run_all(args: argparse.Namespace, http: Http, rows: list[dict], cold: list[dict]):
@@ -465,15 +563,18 @@ def markdown(meta: dict, rows: list[dict], cold: list[dict]) -> str:
         f"Command: `{meta['command']}`",
         f"Server: `{meta['server']}`",
         "",
-        "| grammar | c | TPOT constrained / free (ms) | ratio | TTFT constrained / free (ms) |"
-        " tok/s constrained / free |"
+        "| grammar | c | TPOT constrained / free (ms) | ratio | decode step constrained / free (ms, batch) | ratio |"
+        " TTFT constrained / free (ms) | tok/s constrained / free |"
         " ratio | fill ms/step | backend | mean tokens | cut | checked out | invalid | errors |",
-        "|---|---:|---|---:|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---|---:|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['grammar']} | {r['concurrency']} | {fmt(r['constrained_tpot_ms'], '.1f')} / "
-            f"{fmt(r['free_tpot_ms'], '.1f')} | **{fmt(r['tpot_ratio'])}** | {fmt(r['constrained_ttft_ms'], '.0f')} / "
+            f"{fmt(r['free_tpot_ms'], '.1f')} | **{fmt(r['tpot_ratio'])}** | "
+            f"{fmt(r.get('constrained_decode_step_ms'), '.2f')} / {fmt(r.get('free_decode_step_ms'), '.2f')} "
+            f"({fmt(r.get('constrained_decode_rows'), '.0f')} / {fmt(r.get('free_decode_rows'), '.0f')} rows) | "
+            f"**{fmt(r.get('decode_step_ratio'))}** | {fmt(r['constrained_ttft_ms'], '.0f')} / "
             f"{fmt(r['free_ttft_ms'], '.0f')} | {fmt(r['constrained_tok_s'], '.0f')} / "
             f"{fmt(r['free_tok_s'], '.0f')} | {fmt(r['tok_s_ratio'])} | {fmt(r['fill_ms_per_step'], '.3f')} | "
             f"{', '.join(r['backends']) or '-'} | {fmt(r['mean_tokens'], '.0f')} | {r['cut']} | "
@@ -512,6 +613,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=max(1, min(4, (os.cpu_count() or 1) // 4)),
+        help="client processes the streams of a batch spread over (default: a quarter of the cores, at most 4)",
+    )
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--output-dir", default=str(HERE / "results"))
     return p.parse_args(argv)

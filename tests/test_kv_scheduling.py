@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import pathlib
+import time
 
 import httpx
 import pytest
@@ -14,6 +15,7 @@ from gramserve.config import ServerArgs
 from gramserve.messages import TokenizedGenerateReq
 from gramserve.sampling.params import SamplingParams
 from gramserve.scheduler.scheduler import Scheduler
+from gramserve.scheduler.stats import StepPhases
 from gramserve.server.settings import in_process_config
 
 
@@ -184,6 +186,36 @@ def test_short_prompts_go_in_beside_a_long_prompts_chunks(tokenizer):
     sched.step()
     info = sched.server_info()
     assert (info["num_running"], info["num_waiting"]) == (1, 0), info
+
+
+def test_decode_cadence_counts_decode_only_steps(tokenizer):
+    """`step_phases_ms.decode_steps` (what bench_schema_suite.py compares between constrained and free runs): the
+    wall time from each decode-only step to the next step, with its rows; prefill steps and idle waits are not in
+    it."""
+    prompts = _workload()
+    _, info = _run(tokenizer, prompts, waves=1)
+    decode = info["step_phases_ms"]["decode_steps"]
+    # Each request's first token comes from its prefill step, the other 9 from decode steps; the last decode step
+    # counts only once a next step starts, which the loop above never runs.
+    assert len(prompts) * 9 - len(prompts) <= decode["rows"] <= len(prompts) * 9, decode
+    assert 0 < decode["steps"] < info["step_phases_ms"]["steps"] and decode["ms"] > 0, decode
+    assert sum(n for n, _, _ in decode["by_rows"].values()) == decode["steps"], decode
+    assert all(rows <= n * int(size) for size, (n, _, rows) in decode["by_rows"].items()), decode
+
+    phases = StepPhases()
+    phases.start()
+    phases.decoding(rows=4)
+    time.sleep(0.02)
+    phases.start()  # a prefill step: not counted once the next one starts
+    time.sleep(0.01)
+    phases.start()
+    phases.decoding(rows=3)
+    phases.idle()  # the loop blocked for messages
+    time.sleep(0.02)
+    phases.start()
+    decode = phases.snapshot()["decode_steps"]
+    assert (decode["steps"], decode["rows"]) == (1, 4) and 20 <= decode["ms"] < 200, decode
+    assert list(decode["by_rows"]) == ["4"] and decode["by_rows"]["4"][0] == 1, decode
 
 
 def test_http_cached_tokens_flush_and_retraction(tight_server):

@@ -99,6 +99,8 @@ def loop(scheduler: Scheduler, inbox: zmq.Socket, outputs: Outputs, heartbeat=No
             timeout = LORA_POLL_MS
         else:
             timeout = 0 if scheduler.has_work else 1000
+        if timeout:
+            scheduler.phases.idle()  # the wait is not the last decode step's time
         events = dict(poller.poll(timeout=timeout))
         scheduler.poll_grammar()
         for qid, payload in scheduler.finished_lora_loads():

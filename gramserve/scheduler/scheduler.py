@@ -344,6 +344,7 @@ class Scheduler:
             # Not those finished since the last step's output (a grammar rejection): they leave `running` next.
             reqs = sampling = [r for r in self.running if r.finished is None]
             batch = self.batches.decode(reqs)
+            self.phases.decoding(len(reqs))
         else:
             # Nothing runs and the waiting queue cannot go on (parked requests hold the rows or the KV it needs):
             # wait for a compile answer or a new message instead of spinning.

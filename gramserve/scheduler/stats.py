@@ -19,6 +19,11 @@ class StepPhases:
     feed does not refill); output: build the detokenizer message and free what finished; grammar_feed: tell the
     grammar processes which of this step's sampled ids will reach them through the token feed (overlap);
     grammar_apply: wait for the grammar masks and apply them; launch_sampling: queue the sampling.
+
+    Also the decode cadence: the wall time from the start of each decode-only step to the start of the next one,
+    with its rows, in all and by batch size (`decode_steps` in the snapshot). Benchmarks compare it between runs
+    (constrained against free decoding): unlike a client's TPOT it leaves out prefill steps, the client's own load
+    and the tail of a run.
     """
 
     NAMES = (
@@ -35,10 +40,34 @@ class StepPhases:
         self.ms = dict.fromkeys(self.NAMES, 0.0)
         self.steps = 0
         self._t = 0.0
+        self.decode = {"steps": 0, "ms": 0.0, "rows": 0}
+        self.by_rows: dict[int, list] = {}  # batch size rounded up to a power of two -> [steps, ms, rows]
+        self._decode_since: float | None = None  # start of the last step, if it was decode-only
+        self._decode_rows = 0
+        self._step_start = 0.0
 
     def start(self) -> None:
         self.steps += 1
         self._t = time.perf_counter()
+        if self._decode_since is not None:
+            ms, rows = (self._t - self._decode_since) * 1e3, self._decode_rows
+            self.decode["steps"] += 1
+            self.decode["ms"] += ms
+            self.decode["rows"] += rows
+            # by batch size, rounded up to a power of two: runs compare steps of the same size
+            bucket = self.by_rows.setdefault(1 << max(0, rows - 1).bit_length(), [0, 0.0, 0])
+            bucket[0] += 1
+            bucket[1] += ms
+            bucket[2] += rows
+        self._decode_since, self._step_start = None, self._t
+
+    def decoding(self, rows: int) -> None:
+        """This step is decode-only with `rows` rows: its cadence counts once the next step starts."""
+        self._decode_since, self._decode_rows = self._step_start, rows
+
+    def idle(self) -> None:
+        """The loop waits for work: the time until the next step is not the last step's."""
+        self._decode_since = None
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
@@ -46,7 +75,9 @@ class StepPhases:
         self._t = now
 
     def snapshot(self) -> dict:
-        return {"steps": self.steps, **{k: round(v, 3) for k, v in self.ms.items()}}
+        by_rows = {str(k): [n, round(ms, 3), rows] for k, (n, ms, rows) in sorted(self.by_rows.items())}
+        decode = {**self.decode, "ms": round(self.decode["ms"], 3), "by_rows": by_rows}
+        return {"steps": self.steps, **{k: round(v, 3) for k, v in self.ms.items()}, "decode_steps": decode}
 
 
 class SchedulerCounters(TypedDict):
