@@ -18,8 +18,8 @@ does not).
 
 Reported per (grammar, c): mean TPOT (per request: time from first to last token / (tokens - 1)) of each kind and
 their ratio; the decode step's wall time of each kind and their ratio, from the server's own count
-(``step_phases_ms.decode_steps`` of ``/get_server_info``, at the batch size where the constrained runs decoded most
-of their tokens: a steadier figure than TPOT, which also holds the prefill steps, the client's load and the runs'
+(``step_phases_ms.decode_steps`` of ``/get_server_info``, at the batch size where both kinds decoded most of their
+tokens: a steadier figure than TPOT, which also holds the prefill steps, the client's load and the runs'
 tails); output tok/s of each and their ratio, the grammar workers' fill time per reply and per step (deltas
 of ``/get_server_info``), the compile time of the new grammar, the backend that served it, invalid and cut counts.
 
@@ -27,8 +27,9 @@ of ``/get_server_info``), the compile time of the new grammar, the backend that 
 splits), at ``--many-concurrency`` (default: the largest of ``--concurrencies``), against free requests of the same
 lengths.
 
-The streams of a batch spread over ``--client-procs`` client processes (a quarter of the cores, at most 4): one
-Python process parsing 25,000 events a second (c=256 at 10 ms a step) is itself the bottleneck of the times it reads.
+``--client-procs N`` spreads the streams of a batch over N client processes (default 1). On a GPU host they also
+take cores from the server's grammar threads: four of them read higher constrained step times on an H200 than one
+(docs/benchmarks.md, issue 18 run 20); the decode step figure does not depend on the client.
 
 The server is started with ``--server-args`` (helpers of ``run_cpu_suite.py``) unless ``--base-url`` is given.
 A markdown table (machine, date, exact command) is printed and, with every number, written to ``--output-dir``.
@@ -318,10 +319,11 @@ def add_cadence(total: dict[str, list[float]], part: dict[str, list[float]]) -> 
 
 
 def compare_cadence(constrained: dict[str, list[float]], free: dict[str, list[float]]) -> dict[str, Any]:
-    """Decode step ms of each kind at the batch size where the constrained runs decoded most of their tokens."""
+    """Decode step ms of each kind at one batch size: the one where the smaller of the two kinds' token counts is
+    largest."""
     if not constrained or not free:
         return {}
-    size = max(constrained, key=lambda k: constrained[k][2])
+    size = max(constrained, key=lambda k: min(constrained[k][2], free.get(k, [0, 0.0, 0])[2]))
     c, f = constrained[size], free.get(size, [0, 0.0, 0])
     out = {"decode_batch_size": int(size), "decode_steps": [c[0], f[0]]}
     for kind, (steps, ms, rows) in (("constrained", c), ("free", f)):
@@ -616,8 +618,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--client-procs",
         type=int,
-        default=max(1, min(4, (os.cpu_count() or 1) // 4)),
-        help="client processes the streams of a batch spread over (default: a quarter of the cores, at most 4)",
+        default=1,
+        help="client processes the streams of a batch spread over (default 1)",
     )
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--output-dir", default=str(HERE / "results"))

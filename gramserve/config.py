@@ -26,7 +26,7 @@ class DeviceDefaults:
     cuda_graph_max_bs: int
     max_consecutive_prefills: int  # while requests decode, prefill steps between two decode steps (0: no limit)
     # Grammar workers, each accepting tokens and filling masks for its share of the constrained
-    # requests: at most this many, and one per four cores.
+    # requests: at most this many, and one per two cores.
     max_grammar_shards: int
 
 
@@ -555,7 +555,7 @@ class ServerArgs:
             type=_positive_int,
             default=None,
             help="grammar workers sharing the constrained requests (default: 1 on CPU; on CUDA "
-            "one per four cores, at most "
+            "one per two cores, at most "
             f"{DEVICE_DEFAULTS['cuda'].max_grammar_shards})",
         )
         parser.add_argument("--grammar-max-bytes", type=int, default=defaults.grammar_max_bytes)

@@ -60,10 +60,10 @@ def test_device_defaults_fill_what_the_command_line_leaves_out(monkeypatch):
     assert settings("--device", "cuda").overlap_schedule and not settings("--device", "cpu").overlap_schedule
     assert settings("--device", "cpu", "--overlap-schedule", "on").overlap_schedule
     assert not settings("--device", "cuda", "--disable-overlap-schedule").overlap_schedule
-    # Grammar workers: one on CPU; on CUDA one per four cores, at most the cap; as given when given.
+    # Grammar workers: one on CPU; on CUDA one per two cores, at most the cap; as given when given.
     import gramserve.server.settings as settings_module
 
-    for cores, want_shards in ((2, 1), (16, 4), (64, 8)):
+    for cores, want_shards in ((2, 1), (16, 8), (64, 8)):
         monkeypatch.setattr(settings_module, "available_cores", lambda cores=cores: cores)
         assert resolve_settings(ServerArgs(device="cuda")).grammar_shards == want_shards
         assert resolve_settings(ServerArgs(device="cpu")).grammar_shards == 1

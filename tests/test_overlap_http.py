@@ -1,7 +1,7 @@
 """The overlap schedule (the GPU default) through HTTP on the CPU: a server started with `--overlap-schedule on`
 answers exactly like the plain session server: greedy text and logprobs, seeded sampling, constrained JSON, tool
 calls, streaming; and aborts and finished requests give their KV memory back. The overlap servers run two grammar
-processes (`--grammar-shards 2`; on CUDA the default is one per four cores), the session server one, and a plain
+processes (`--grammar-shards 2`; on CUDA the default is one per two cores), the session server one, and a plain
 server with two more: constrained outputs are the same whichever process holds a request's matcher."""
 
 from __future__ import annotations

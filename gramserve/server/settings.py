@@ -90,7 +90,10 @@ def resolve_settings(args: ServerArgs) -> Settings:
         value = getattr(args, name)
         return getattr(defaults, name) if value is None else value
 
-    shards = args.grammar_shards or min(defaults.max_grammar_shards, max(1, available_cores() // 4))
+    # One grammar process per two cores, up to the cap; on 16 cores 8 processes of one fill thread each
+    # (resolve_fill_threads). Processes fill in parallel where one process's threads take turns with the GIL between
+    # rows (docs/benchmarks.md, issue 18 run 20: 8 x 1 filled a step sooner than 4 x 2 on a 16-core H200 host).
+    shards = args.grammar_shards or min(defaults.max_grammar_shards, max(1, available_cores() // 2))
     # auto: on for CUDA (the CPU work of step N+1 runs while the GPU computes step N), off on CPU, where the
     # forward is synchronous and overlapping only costs one wasted token per finishing request.
     overlap = device == "cuda" if args.overlap_schedule == "auto" else args.overlap_schedule == "on"
