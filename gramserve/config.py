@@ -43,9 +43,9 @@ DEVICE_DEFAULTS = {
     ),
     # H100-class: measured in benchmarks/bench_gpu.py (docs/benchmarks.md). The 8B's 1,000-request run keeps ~1,000
     # requests running at its peak; decode graphs up to 1,024 beat eager steps above 512 (27 vs 33 ms a step).
-    # xgrammar's accept and fill hold the GIL and its batch fill starts fresh threads on every call, so one process
-    # does not scale past a few cores: on the 16-core H100 host 256 rows took 2.4 ms a step in one process, 1.3 ms
-    # in each of 4 (the 1B's constrained step: 4.2 -> 3.6 ms); 8 processes slowed the scheduler's own steps.
+    # A grammar process's fill threads take turns with the GIL between rows, so processes scale where threads do not:
+    # on the 16-core H100 host 256 rows took 2.4 ms a step in one process, 1.3 ms in each of 4; on the 16-core H200
+    # host 8 processes of one thread gave the 1B a shorter constrained decode step than 4 of two (issue 18 run 20).
     # Up to 4 prefill chunks between decode steps: the 8B's 1,000-request burst ran 524 decode steps instead of 560
     # (alternating) and 12,233-12,267 tok/s instead of 11,753, with running streams stalled at most 0.42 s; no
     # bound (SGLang's policy) gave 11,981-12,314 tok/s and stalled them for 4.7-5.0 s.
