@@ -25,6 +25,7 @@ class DeviceDefaults:
     chunked_prefill_size: int
     cuda_graph_max_bs: int
     max_consecutive_prefills: int  # while requests decode, prefill steps between two decode steps (0: no limit)
+    max_prefill_wait_steps: int  # while requests decode, decode steps a new prompt may wait to prefill with others
     # Grammar workers, each accepting tokens and filling masks for its share of the constrained
     # requests: at most this many, and one per two cores.
     max_grammar_shards: int
@@ -39,6 +40,7 @@ DEVICE_DEFAULTS = {
         chunked_prefill_size=512,
         cuda_graph_max_bs=256,
         max_consecutive_prefills=1,
+        max_prefill_wait_steps=0,
         max_grammar_shards=1,
     ),
     # H100-class: measured in benchmarks/bench_gpu.py (docs/benchmarks.md). The 8B's 1,000-request run keeps ~1,000
@@ -54,6 +56,7 @@ DEVICE_DEFAULTS = {
         chunked_prefill_size=8192,
         cuda_graph_max_bs=1024,
         max_consecutive_prefills=4,
+        max_prefill_wait_steps=0,
         max_grammar_shards=8,
     ),
 }
@@ -103,6 +106,7 @@ class ServerArgs:
     # While requests decode, prefill steps allowed between two decode steps (0: no limit, prefill whenever requests
     # wait, as SGLang does). More: higher throughput under bursts, longer stalls of the running streams.
     max_consecutive_prefills: int | None = None
+    max_prefill_wait_steps: int | None = None
     schedule_policy: str = "lpm"  # lpm (longest cached prefix first) | fcfs
     disable_radix_cache: bool = False
     kv_reserve_ratio: float = 0.5  # share of a running request's max_tokens that admission keeps free for it
@@ -257,7 +261,13 @@ class ServerArgs:
             object.__setattr__(self, "request_timeout", None)
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"--request-timeout must be 0 (no limit) or more, got {self.request_timeout}")
-        for name in ("shutdown_timeout", "max_queued_requests", "chunked_prefill_size", "max_consecutive_prefills"):
+        for name in (
+            "shutdown_timeout",
+            "max_queued_requests",
+            "chunked_prefill_size",
+            "max_consecutive_prefills",
+            "max_prefill_wait_steps",
+        ):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ValueError(f"{_flag(name)} must be 0 or more, got {value}")
@@ -388,6 +398,16 @@ class ServerArgs:
             "as SGLang; bounds how long a burst of prompts stalls running streams "
             f"(default: {DEVICE_DEFAULTS['cuda'].max_consecutive_prefills} on CUDA, "
             f"{DEVICE_DEFAULTS['cpu'].max_consecutive_prefills} on CPU)",
+        )
+        parser.add_argument(
+            "--max-prefill-wait-steps",
+            type=_non_negative_int,
+            default=None,
+            help="while requests decode, a new prompt may wait up to this many decode steps so that prompts "
+            "arriving one by one prefill together (a prefill step costs about the same for one short prompt as "
+            "for ten); they go in at once when they are a quarter of the running requests or more; 0: prefill "
+            f"whenever requests wait (default: {DEVICE_DEFAULTS['cuda'].max_prefill_wait_steps} on CUDA, "
+            f"{DEVICE_DEFAULTS['cpu'].max_prefill_wait_steps} on CPU)",
         )
         parser.add_argument("--schedule-policy", default=defaults.schedule_policy, choices=["lpm", "fcfs"])
         parser.add_argument("--disable-radix-cache", action="store_true")
@@ -741,6 +761,7 @@ class Settings:
     chunked_prefill_size: int  # 0: no chunking
     cuda_graph_max_bs: int  # 0: decode runs without CUDA graphs
     max_consecutive_prefills: int  # 0: no limit
+    max_prefill_wait_steps: int  # 0: no wait
     grammar_shards: int
     grammar_fill_threads: int  # per grammar worker; 0: row by row
     scheduler_threads: int  # torch CPU threads in the scheduler process

@@ -53,6 +53,10 @@ def test_device_defaults_fill_what_the_command_line_leaves_out(monkeypatch):
     assert (given.max_running_requests, given.chunked_prefill_size, given.cuda_graph_max_bs) == (64, 0, 8)
     assert settings("--device", "cuda", "--disable-cuda-graph").cuda_graph_max_bs == 0
     assert settings("--device", "cuda", "--max-consecutive-prefills", "3").max_consecutive_prefills == 3
+    assert settings("--device", "cuda", "--max-prefill-wait-steps", "5").max_prefill_wait_steps == 5
+    assert settings("--device", "cpu").max_prefill_wait_steps == DEVICE_DEFAULTS["cpu"].max_prefill_wait_steps == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-prefill-wait-steps", "-1"])
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-consecutive-prefills", "-1"])
     assert DEVICE_DEFAULTS["cuda"].chunked_prefill_size > DEVICE_DEFAULTS["cpu"].chunked_prefill_size

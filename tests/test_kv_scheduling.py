@@ -346,6 +346,39 @@ def test_max_consecutive_prefills_bounds_the_stall_of_running_streams(tokenizer,
     assert runs[1] == runs[2] == runs[0]
 
 
+def test_prefill_wait_steps_let_prompts_arriving_one_by_one_share_a_prefill_step(tokenizer):
+    """--max-prefill-wait-steps: while 8 requests decode, a prompt that arrives waits until that many decode steps
+    have run since the last prefill step (prompts arriving one by one then share prefill steps), but goes in at once
+    when the prompts waiting are a quarter of the running requests. Same tokens whatever the wait."""
+    args = ServerArgs(device="cpu", mixed_decode="off", kv_cache_memory_gb=0.05, context_length=256)
+    params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+
+    def run(wait: int, late: int) -> tuple[str, dict[str, list[int]]]:
+        sched = Scheduler(in_process_config(args), tokenizer)
+        sched.max_prefill_wait_steps = wait
+        for i in range(8):
+            sched.add_request(TokenizedGenerateReq(f"r{i}", list(range(500 + 10 * i, 507 + 10 * i)), params))
+        kinds, outs = [], {}
+        while sched.has_work:
+            if len(kinds) == 2:  # the 8 decode by now; the last prefill step was the first step
+                for j in range(late):
+                    sched.add_request(TokenizedGenerateReq(f"late{j}", list(range(900 + 10 * j, 905 + 10 * j)), params))
+            out = sched.step()
+            kinds.append("P" if sched._last_was_prefill else "D")
+            for rid, ids in zip(out.rids, out.new_token_ids) if out else ():
+                outs.setdefault(rid, []).extend(ids)
+        assert all(len(v) == 8 for v in outs.values()) and len(outs) == 8 + late
+        return "".join(kinds), outs
+
+    kinds, plain = run(0, 1)
+    assert kinds.startswith("PDP"), kinds  # at once
+    kinds, waited = run(3, 1)
+    assert kinds.startswith("PDDDP"), kinds  # once 3 decode steps ran after the last prefill step (2 after it came)
+    assert waited == plain
+    kinds, _ = run(3, 2)  # 2 waiting for 8 running: a quarter, in at once
+    assert kinds.startswith("PDP"), kinds
+
+
 def test_a_request_may_not_grow_past_the_kv_pool(tokenizer):
     """A KV pool smaller than the context length (a large shape on a CPU): the context becomes what the pool holds,
     so a request alone cannot outgrow it. Before, its step found no free slot and failed every request in flight

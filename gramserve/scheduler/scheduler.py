@@ -162,6 +162,8 @@ class Scheduler:
         self.finished_early: list[Req] = []  # rejected before running; reported by the next step
         self._prefills_in_a_row = 0  # prefill steps since the last decode step
         self.max_consecutive_prefills = settings.max_consecutive_prefills  # while requests decode; 0: no limit
+        self.max_prefill_wait_steps = settings.max_prefill_wait_steps  # while requests decode; 0: no wait
+        self._decodes_since_prefill = 0
         # Running requests decode inside prefill steps. Not with LoRA or images, whose prefill batches carry
         # per-request extras that decode rows do not have.
         self.mixed_decode = settings.mixed_decode and self.lora is None and encoder is None
@@ -309,10 +311,7 @@ class Scheduler:
     def _launch_forward(self) -> _Forward | None:
         """Pick a batch and launch its forward (on a GPU the call returns before the forward is done)."""
         picked: list[tuple[Req, int]] = []
-        # While requests decode, at most `max_consecutive_prefills` prefill steps run between two decode steps, so
-        # a burst of new prompts stalls the running streams for a bounded time.
-        limit = self.max_consecutive_prefills
-        if not self.running or limit == 0 or self._prefills_in_a_row < limit:
+        if self._may_prefill():
             # Parked requests hold KV and will decode: admission reserves room for them as for running ones.
             holders = self.running + list(self.parked.values()) if self.parked else self.running
             picked = self.admission.schedule_prefill(holders)
@@ -327,6 +326,7 @@ class Scheduler:
             riders = self._riders(picked)
             # Decode rows that ride along are not stalled: the step does not count against the prefill limit.
             self._prefills_in_a_row = 0 if riders else self._prefills_in_a_row + 1
+            self._decodes_since_prefill = 0
             batch = self.batches.prefill(picked, riders)
             # Only requests whose whole prompt is now in the cache sample a token; riders' rows come last.
             prompted = [r for r, _ in picked]
@@ -336,6 +336,7 @@ class Scheduler:
             self.stats["mixed_decode_rows"] += len(riders)
         elif any(r.finished is None for r in self.running):
             self._prefills_in_a_row = 0
+            self._decodes_since_prefill += 1
             if self.kv.available() < len(self.running):
                 # Back to the waiting queue (KV released by admission); their grammar mask rows are free too.
                 for req in self.admission.retract_for(len(self.running), self.running):
@@ -376,6 +377,22 @@ class Scheduler:
             if self.lora is not None:  # rows of one adapter side by side: one segment each in decode batches
                 self.running.sort(key=lambda r: r.lora_slot)
         return _Forward(reqs, sampling, logits, grammar, batch.req_pool_indices)
+
+    def _may_prefill(self) -> bool:
+        """Whether this step may prefill waiting prompts. While requests decode: at most `max_consecutive_prefills`
+        prefill steps between two decode steps, so a burst of new prompts stalls the running streams for a bounded
+        time; and new prompts wait up to `max_prefill_wait_steps` decode steps after the last prefill step, unless
+        they are a quarter of the running requests, so that prompts arriving one by one (as running requests finish
+        under a steady load) share prefill steps instead of taking one each."""
+        if not self.running:
+            return True
+        limit = self.max_consecutive_prefills
+        if limit and self._prefills_in_a_row >= limit:
+            return False
+        wait = self.max_prefill_wait_steps
+        if not wait or self.admission.chunked is not None or self._decodes_since_prefill >= wait:
+            return True
+        return 4 * len(self.admission.waiting) >= len(self.running)
 
     def _riders(self, picked: list[tuple[Req, int]]) -> list[Req]:
         """The running requests that decode inside this prefill step (`mixed_decode`): all of them, if the KV pool

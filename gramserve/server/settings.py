@@ -112,6 +112,7 @@ def resolve_settings(args: ServerArgs) -> Settings:
         chunked_prefill_size=given_or_default("chunked_prefill_size"),
         cuda_graph_max_bs=max(0, graphs),
         max_consecutive_prefills=given_or_default("max_consecutive_prefills"),
+        max_prefill_wait_steps=given_or_default("max_prefill_wait_steps"),
         grammar_shards=shards,
         grammar_fill_threads=resolve_fill_threads(args.grammar_fill_threads, shards),
         scheduler_threads=args.num_threads or scheduler_threads(device, model_processes),
