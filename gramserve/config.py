@@ -106,6 +106,8 @@ class ServerArgs:
     # While requests decode, prefill steps allowed between two decode steps (0: no limit, prefill whenever requests
     # wait, as SGLang does). More: higher throughput under bursts, longer stalls of the running streams.
     max_consecutive_prefills: int | None = None
+    # While requests decode, decode steps a new prompt may wait after the last prefill step so that prompts arriving
+    # one by one share a prefill step (0: none); a quarter of the running requests waiting go in at once.
     max_prefill_wait_steps: int | None = None
     schedule_policy: str = "lpm"  # lpm (longest cached prefix first) | fcfs
     disable_radix_cache: bool = False
