@@ -155,8 +155,8 @@ class Result:
 
 class Http:
     """httpx for the server's reports; aiohttp, where installed, for the streams (its CPU per streamed token is a
-    third of httpx's: bench_serving.py); with --client-procs, batches spread over that many client processes, so
-    one Python process's parsing of thousands of events a second does not set the times it measures."""
+    third of httpx's: bench_serving.py); with --client-procs, batches spread over that many client processes (for a
+    client on a host of its own, where one process's parsing would limit the times it measures)."""
 
     def __init__(self, client: httpx.AsyncClient, session=None, pool: Executor | None = None, procs: int = 1):
         self.client = client
