@@ -27,10 +27,6 @@ of ``/get_server_info``), the compile time of the new grammar, the backend that 
 splits), at ``--many-concurrency`` (default: the largest of ``--concurrencies``), against free requests of the same
 lengths.
 
-``--client-procs N`` spreads the streams of a batch over N client processes (default 1). On a GPU host they also
-take cores from the server's grammar threads: four of them read higher constrained step times on an H200 than one
-(docs/benchmarks.md, issue 18 run 20); the decode step figure does not depend on the client.
-
 The server is started with ``--server-args`` (helpers of ``run_cpu_suite.py``) unless ``--base-url`` is given.
 A markdown table (machine, date, exact command) is printed and, with every number, written to ``--output-dir``.
 
@@ -44,9 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
-import multiprocessing
 import os
 import random
 import re
@@ -55,7 +49,6 @@ import statistics
 import sys
 import time
 import uuid
-from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -155,13 +148,11 @@ class Result:
 
 class Http:
     """httpx for the server's reports; aiohttp, where installed, for the streams (its CPU per streamed token is a
-    third of httpx's: bench_serving.py); with --client-procs, batches spread over that many client processes (for a
-    client on a host of its own, where one process's parsing would limit the times it measures)."""
+    third of httpx's: bench_serving.py)."""
 
-    def __init__(self, client: httpx.AsyncClient, session=None, pool: Executor | None = None, procs: int = 1):
+    def __init__(self, client: httpx.AsyncClient, session=None):
         self.client = client
         self.session = session
-        self.pool, self.procs = pool, procs  # client processes for the batches (--client-procs), if more than one
 
     async def get(self, url: str, timeout: float = 60) -> httpx.Response:
         return await self.client.get(url, timeout=timeout)
@@ -220,8 +211,6 @@ async def run_batch(
     http: Http, url: str, bodies: list[dict], concurrency: int, timeout: float
 ) -> tuple[list[Result], float]:
     """The results of `bodies` (in their order) with at most `concurrency` in flight, and the wall time."""
-    if http.pool is not None and concurrency > 1 and len(bodies) > 1:
-        return await _run_batch_in_processes(http, url, bodies, concurrency, timeout)
     sem = asyncio.Semaphore(concurrency)
 
     async def one(body: dict) -> Result:
@@ -231,46 +220,6 @@ async def run_batch(
     t0 = time.perf_counter()
     results = await asyncio.gather(*(one(b) for b in bodies))
     return list(results), time.perf_counter() - t0
-
-
-async def _run_batch_in_processes(
-    http: Http, url: str, bodies: list[dict], concurrency: int, timeout: float
-) -> tuple[list[Result], float]:
-    """run_batch over the client processes: process i streams bodies[i::n] with its share of the concurrency."""
-    n = min(http.procs, concurrency, len(bodies))
-    loop = asyncio.get_running_loop()
-    shares = [
-        loop.run_in_executor(
-            http.pool, _client_process_batch, url, bodies[i::n], concurrency // n + (i < concurrency % n), timeout
-        )
-        for i in range(n)
-    ]
-    results: list[Result] = [Result()] * len(bodies)
-    starts, ends = [], []
-    for i, (share, t0, t1) in enumerate(await asyncio.gather(*shares)):
-        results[i::n] = [Result(**r) for r in share]
-        starts.append(t0)
-        ends.append(t1)
-    return results, max(ends) - min(starts)
-
-
-def _client_process_batch(url: str, bodies: list[dict], concurrency: int, timeout: float):
-    """In a client process: stream `bodies` on its own event loop and connections; plain dicts (picklable under
-    spawn) and the monotonic clock's start and end (one clock for every process)."""
-
-    async def go():
-        limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
-        async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
-            session = aiohttp_session()
-            try:
-                t0 = time.monotonic()
-                res, _ = await run_batch(Http(client, session), url, bodies, concurrency, timeout)
-                return [dataclasses.asdict(r) for r in res], t0, time.monotonic()
-            finally:
-                if session is not None:
-                    await session.close()
-
-    return asyncio.run(go())
 
 
 async def server_info(http: Http, base_url: str) -> dict[str, Any]:
@@ -506,21 +455,14 @@ async def run_all(args: argparse.Namespace) -> tuple[list[dict], list[dict], dic
     limits = httpx.Limits(
         max_connections=max(args.concurrencies) + 8, max_keepalive_connections=max(args.concurrencies) + 8
     )
-    pool = None
-    if args.client_procs > 1:
-        pool = ProcessPoolExecutor(args.client_procs, mp_context=multiprocessing.get_context("spawn"))
-        # start them now (spawn imports this module in each), not inside the first timed batch
-        list(pool.map(time.sleep, [0.1] * args.client_procs))
     async with httpx.AsyncClient(limits=limits, timeout=args.timeout) as client:
         session = aiohttp_session()
-        http = Http(client, session, pool, args.client_procs)
+        http = Http(client, session)
         try:
             return await _run_all(args, http, rows, cold)
         finally:
             if session is not None:
                 await session.close()
-            if pool is not None:
-                pool.shutdown()
 
 
 async def _run_all(args: argparse.Namespace, http: Http, rows: list[dict], cold: list[dict]):
@@ -615,12 +557,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument(
-        "--client-procs",
-        type=int,
-        default=1,
-        help="client processes the streams of a batch spread over (default 1)",
-    )
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--output-dir", default=str(HERE / "results"))
     return p.parse_args(argv)

@@ -40,8 +40,7 @@ class StepPhases:
         self.ms = dict.fromkeys(self.NAMES, 0.0)
         self.steps = 0
         self._t = 0.0
-        self.decode = {"steps": 0, "ms": 0.0, "rows": 0}
-        self.by_rows: dict[int, list] = {}  # batch size rounded up to a power of two -> [steps, ms, rows]
+        self.by_rows: dict[int, list] = {}  # decode steps by batch size rounded up to a power of two: [steps, ms, rows]
         self._decode_since: float | None = None  # start of the last step, if it was decode-only
         self._decode_rows = 0
         self._step_start = 0.0
@@ -50,14 +49,11 @@ class StepPhases:
         self.steps += 1
         self._t = time.perf_counter()
         if self._decode_since is not None:
-            ms, rows = (self._t - self._decode_since) * 1e3, self._decode_rows
-            self.decode["steps"] += 1
-            self.decode["ms"] += ms
-            self.decode["rows"] += rows
+            rows = self._decode_rows
             # by batch size, rounded up to a power of two: runs compare steps of the same size
             bucket = self.by_rows.setdefault(1 << max(0, rows - 1).bit_length(), [0, 0.0, 0])
             bucket[0] += 1
-            bucket[1] += ms
+            bucket[1] += (self._t - self._decode_since) * 1e3
             bucket[2] += rows
         self._decode_since, self._step_start = None, self._t
 
@@ -76,7 +72,8 @@ class StepPhases:
 
     def snapshot(self) -> dict:
         by_rows = {str(k): [n, round(ms, 3), rows] for k, (n, ms, rows) in sorted(self.by_rows.items())}
-        decode = {**self.decode, "ms": round(self.decode["ms"], 3), "by_rows": by_rows}
+        steps, ms, rows = (sum(b[i] for b in self.by_rows.values()) for i in range(3))
+        decode = {"steps": steps, "ms": round(ms, 3), "rows": rows, "by_rows": by_rows}
         return {"steps": self.steps, **{k: round(v, 3) for k, v in self.ms.items()}, "decode_steps": decode}
 
 
