@@ -8,7 +8,9 @@ request's arrival to its first token, over the last three quarters of ``--steps`
 the host time of steps with prompts waiting (prefill steps) and of the others goes (cProfile).
 
 Prompts are 100 random tokens from a pool that is prefilled once first (so, as in the suite, they are in the prefix
-cache); outputs are 60-100 tokens, greedy, ``ignore_eos``. Example (GPU host, dummy weights)::
+cache), or with ``--uncached`` a new one each time (100 tokens to prefill per request); outputs are 60-100 tokens,
+greedy, ``ignore_eos``. ``--eager-prefill-too`` runs each setting a second time with the prefill steps' CUDA graphs
+off (`model/prefill_graphs.py`), on the same engine. Example (GPU host, dummy weights)::
 
     python benchmarks/bench_steady_arrivals.py --model-path llama-3.2-1b.json --tokenizer TOK --waits 0 4 8
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import pstats
 import random
 import time
@@ -35,8 +38,12 @@ class Load:
 
     def __init__(self, sched: Scheduler, prompts: int, seed: int = 0):
         self.sched, self.rng, self.n = sched, random.Random(seed), 0
-        self.pool = [[self.rng.randrange(1000, 30000) for _ in range(100)] for _ in range(prompts)]
+        self.pool = [self.prompt() for _ in range(prompts)]
         self.arrived: dict[str, float] = {}
+        self.uncached = False  # a new prompt for every request
+
+    def prompt(self) -> list[int]:
+        return [self.rng.randrange(1000, 30000) for _ in range(100)]
 
     def add(self, k: int, max_new: int | None = None) -> None:
         for _ in range(k):
@@ -44,7 +51,8 @@ class Load:
                 f"r{self.n}",
                 SamplingParams(max_new_tokens=max_new or self.rng.randint(60, 100), temperature=0, ignore_eos=True),
             )
-            self.sched.add_request(TokenizedGenerateReq(rid, self.pool[self.n % len(self.pool)], params))
+            prompt = self.prompt() if self.uncached else self.pool[self.n % len(self.pool)]
+            self.sched.add_request(TokenizedGenerateReq(rid, prompt, params))
             self.arrived[rid] = time.perf_counter()
             self.n += 1
 
@@ -97,21 +105,32 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--waits", type=int, nargs="+", default=[0, 4, 8])
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--uncached", action="store_true", help="a new 100-token prompt for every request")
+    p.add_argument("--eager-prefill-too", action="store_true", help="each setting again without prefill graphs")
+    p.add_argument("--prefill-graph-max-tokens", type=int, default=None, help="default: the device's")
     a = p.parse_args()
-    sched = Scheduler(
-        in_process_config(ServerArgs(model_path=a.model_path, load_format="dummy", tokenizer_path=a.tokenizer)),
-        AutoTokenizer.from_pretrained(a.tokenizer),
-    )
+    args = ServerArgs(model_path=a.model_path, load_format="dummy", tokenizer_path=a.tokenizer)
+    if a.prefill_graph_max_tokens is not None:
+        args = dataclasses.replace(args, prefill_graph_max_tokens=a.prefill_graph_max_tokens)
+    sched = Scheduler(in_process_config(args), AutoTokenizer.from_pretrained(a.tokenizer))
     load = Load(sched, prompts=3000)
     load.add(len(load.pool), max_new=1)  # every prompt into the prefix cache
     drain(sched)
+    load.uncached = a.uncached
+    graphs = sched.runner.prefill_graphs
     for wait in a.waits:
-        sched.max_prefill_wait_steps = wait
-        profiles = {"prompts waiting": cProfile.Profile(), "none waiting": cProfile.Profile()} if a.profile else None
-        print(f"c={a.concurrency} wait {wait}: {run(load, a.concurrency, a.steps, profiles)}", flush=True)
-        for name, prof in (profiles or {}).items():
-            print(f"===== steps with {name}")
-            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        for pieces in (graphs, None) if a.eager_prefill_too else (graphs,):
+            sched.max_prefill_wait_steps = wait
+            sched.runner.prefill_graphs = pieces
+            profiles = None
+            if a.profile:
+                profiles = {"prompts waiting": cProfile.Profile(), "none waiting": cProfile.Profile()}
+            label = f"c={a.concurrency} wait {wait}, prefill {'graphs' if pieces is not None else 'eager'}"
+            print(f"{label}: {run(load, a.concurrency, a.steps, profiles)}", flush=True)
+            for name, prof in (profiles or {}).items():
+                print(f"===== steps with {name}")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    sched.runner.prefill_graphs = graphs
 
 
 if __name__ == "__main__":

@@ -52,6 +52,12 @@ def test_device_defaults_fill_what_the_command_line_leaves_out(monkeypatch):
     )
     assert (given.max_running_requests, given.chunked_prefill_size, given.cuda_graph_max_bs) == (64, 0, 8)
     assert settings("--device", "cuda", "--disable-cuda-graph").cuda_graph_max_bs == 0
+    # Prefill graphs: CUDA only, off with --disable-cuda-graph and (for now) under tensor parallelism.
+    assert settings("--device", "cuda").prefill_graph_max_tokens == DEVICE_DEFAULTS["cuda"].prefill_graph_max_tokens > 0
+    assert settings("--device", "cpu", "--prefill-graph-max-tokens", "64").prefill_graph_max_tokens == 0
+    assert settings("--device", "cuda", "--prefill-graph-max-tokens", "64").prefill_graph_max_tokens == 64
+    assert settings("--device", "cuda", "--disable-cuda-graph").prefill_graph_max_tokens == 0
+    assert settings("--device", "cuda", "--tp-size", "2").prefill_graph_max_tokens == 0
     assert settings("--device", "cuda", "--max-consecutive-prefills", "3").max_consecutive_prefills == 3
     assert settings("--device", "cuda", "--max-prefill-wait-steps", "5").max_prefill_wait_steps == 5
     assert settings("--device", "cpu").max_prefill_wait_steps == DEVICE_DEFAULTS["cpu"].max_prefill_wait_steps == 0

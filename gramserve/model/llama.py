@@ -153,35 +153,33 @@ class Attention(nn.Module):
             return functools.partial(cpu_kernels.rope_and_store, self.kernels)
         return None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
-        backend: AttentionBackend,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, backend, batch):
+        """q, k, v of the new tokens, RoPE applied. k and v come back None where they went into their KV slots
+        already (the fused RoPE + store); otherwise the attention backend stores them."""
         qkv = self.qkv_proj(x)
         fused = self._fused_rope_and_store(qkv)
         if fused is not None:
-            # One call: RoPE on q and k, and k/v written straight into their cache slots.
             cache = backend.kv_cache
             q = fused(qkv, self.num_heads, self.num_kv_heads, rope.cos, rope.sin, positions,
                       cache.k[self.layer], cache.v[self.layer], batch.out_cache_loc)  # fmt: skip
-            return self.tp.all_reduce(self.o_proj(backend.forward(q, None, None, self.layer, batch, self.scale)))
+            return q, None, None
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = rope(positions, self.q_norm(q)), rope(positions, self.k_norm(k))
-        else:  # q and k are neighbours in qkv: rotate them in one go
-            qk = rope(
-                positions,
-                qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim),
-            )
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        return self.tp.all_reduce(self.o_proj(backend.forward(q, k, v, self.layer, batch, self.scale)))
+            return rope(positions, self.q_norm(q)), rope(positions, self.k_norm(k)), v
+        # q and k are neighbours in qkv: rotate them in one go
+        qk = rope(
+            positions, qkv[:, : self.q_size + self.kv_size].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        )
+        return qk[:, : self.num_heads], qk[:, self.num_heads :], v
+
+    def attend(self, q, k, v, backend: AttentionBackend, batch: ForwardBatch) -> torch.Tensor:
+        return backend.forward(q, k, v, self.layer, batch, self.scale)
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.o_proj(attn))
 
 
 class MLP(nn.Module):
@@ -238,12 +236,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, positions, rope, backend, batch):
         """x: the previous layer's output, residual: the stream before it (None at the first layer)."""
+        q, k, v, residual = self.before_attention(x, residual, positions, rope, backend, batch)
+        return self.after_attention(self.self_attn.attend(q, k, v, backend, batch), residual)
+
+    # The two halves around attention, which prefill_graphs.py captures as CUDA graphs of their own.
+    def before_attention(self, x, residual, positions, rope, backend, batch):
+        """The input norm (adding x to the residual stream) and q, k, v; returns them and the residual stream."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rope, backend, batch)
-        h, residual = self.post_attention_layernorm(h, residual)
+        return (*self.self_attn.project(h, positions, rope, backend, batch), residual)
+
+    def after_attention(self, attn: torch.Tensor, residual: torch.Tensor):
+        """o_proj, the post-attention norm and the MLP; returns the layer's output and the residual stream."""
+        h, residual = self.post_attention_layernorm(self.self_attn.output(attn), residual)
         return self.mlp(h), residual
 
 
@@ -292,6 +299,10 @@ class LlamaForCausalLM(nn.Module):
                 last = batch.last_token_indices()
                 x, residual = x[last], residual[last]
             x, _ = self.norm(x, residual)
+        return self.logits(x, logits_out)
+
+    def logits(self, x: torch.Tensor, logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits of the final-normed hidden states `x` (into `logits_out` when given)."""
         if self.lm_head_blocks is not None:
             logits = self.lm_head_blocks(x)
         else:

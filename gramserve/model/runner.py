@@ -44,6 +44,7 @@ class RunnerConfig:
     max_running_requests: int = 16  # sizes the KV pool's cap and the activation reserve
     max_step_tokens: int = 512  # most tokens one prefill step runs (activation reserve)
     cuda_graph_max_bs: int = 0  # decode batches up to this size replay CUDA graphs; 0: none
+    prefill_graph_max_tokens: int = 0  # prefill batches up to this many tokens replay piecewise graphs; 0: none
     seed: int = 0  # dummy weights
     # float32 on a CPU: auto = a GGUF's own Q4_1/Q8_0 blocks for decode (the same weight values, fewer bytes),
     # floats otherwise; q8_0 = every projection rounded to Q8_0 blocks; float = no blocks.
@@ -72,6 +73,7 @@ class RunnerInfo:
     attention_backend: str = "torch"
     cpu_decode: str = "torch"  # CPU decode path: torch | kernels (norms, attention) | kernels+<weight format>
     cuda_graph_max_bs: int = 0  # 0: decode runs without CUDA graphs
+    prefill_graph_max_tokens: int = 0  # 0: prefill runs without CUDA graphs
     memory: dict | None = None  # GiB: weights, kv_pool, activation reserve, device total (CUDA only)
     lora_slots: int = 0  # LoRA adapter slots of the device pool (0: LoRA off)
     lora_rank: int = 0  # the pool's rank (max rank rounded up to 16)
@@ -136,6 +138,7 @@ class ModelRunner:
         if self.lora_pool is not None:
             self.model.use_lora(self.lora_pool)
         self.graph_runner = None  # made by init_cuda_graphs once the req_to_token table exists
+        self.prefill_graphs = None  # made by init_cuda_graphs
         self.info = RunnerInfo(
             model_path=path,
             architecture=self.config.architecture,
@@ -289,16 +292,24 @@ class ModelRunner:
         return logits + tokens * per_token + 1.5 * 2**30
 
     def init_cuda_graphs(self, req_to_token: torch.Tensor) -> None:
-        """Capture decode graphs over the scheduler's req_to_token table (CUDA, graph-capable backend only)."""
-        max_bs = self.cfg.cuda_graph_max_bs
-        if self.device.type != "cuda" or max_bs <= 0 or not self.backend.supports_cuda_graph:
+        """Capture decode graphs over the scheduler's req_to_token table (graph-capable backend only), and the
+        prefill steps' piecewise graphs (one GPU only: their pieces hold no cross-rank schedule yet). CUDA only."""
+        if self.device.type != "cuda":
             return
-        from gramserve.model.cuda_graph_runner import CudaGraphRunner
+        max_bs = self.cfg.cuda_graph_max_bs
+        if max_bs > 0 and self.backend.supports_cuda_graph:
+            from gramserve.model.cuda_graph_runner import CudaGraphRunner
 
-        self.graph_runner = CudaGraphRunner(self.model, self.backend, req_to_token, max_bs, self.cfg.lora_slots)
-        self.graph_runner.capture()
-        self.info.cuda_graph_max_bs = self.graph_runner.max_bs
-        if self.memory is not None:
+            self.graph_runner = CudaGraphRunner(self.model, self.backend, req_to_token, max_bs, self.cfg.lora_slots)
+            self.graph_runner.capture()
+            self.info.cuda_graph_max_bs = self.graph_runner.max_bs
+        if self.cfg.prefill_graph_max_tokens > 0 and self.tp.size == 1:
+            from gramserve.model.prefill_graphs import PrefillGraphRunner
+
+            self.prefill_graphs = PrefillGraphRunner(self.model, self.backend, self.cfg.prefill_graph_max_tokens)
+            self.prefill_graphs.capture()
+            self.info.prefill_graph_max_tokens = self.prefill_graphs.max_tokens
+        if self.memory is not None and (self.graph_runner is not None or self.prefill_graphs is not None):
             free, _ = torch.cuda.mem_get_info(self.device)
             self.memory["free_after_graphs_gib"] = round(free / 2**30, 2)
             logger.info("GPU memory after graph capture (GiB): %s", self.memory)
@@ -309,6 +320,8 @@ class ModelRunner:
             self.step_sender.send(batch)
         if self.graph_runner is not None and self.graph_runner.can_run(batch):
             return self.graph_runner.replay(batch)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch):
+            return self.prefill_graphs.run(batch)
         return self.model(batch, self.backend)
 
     def follow(self, req_to_token: torch.Tensor) -> None:

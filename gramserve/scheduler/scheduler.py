@@ -88,6 +88,7 @@ def runner_config(config: ServerConfig, tp: TPConfig = TPConfig()) -> RunnerConf
         max_running_requests=settings.max_running_requests,
         max_step_tokens=settings.chunked_prefill_size or args.max_prefill_tokens,
         cuda_graph_max_bs=settings.cuda_graph_max_bs,
+        prefill_graph_max_tokens=settings.prefill_graph_max_tokens,
         seed=args.seed,
         cpu_weights=args.cpu_weights,
         cpu_kernel_threads=settings.cpu_kernel_threads,

@@ -100,6 +100,8 @@ def resolve_settings(args: ServerArgs) -> Settings:
     # auto: on for a CPU, where a prefill step's GEMMs take the running rows almost for free.
     mixed = device == "cpu" if args.mixed_decode == "auto" else args.mixed_decode == "on"
     graphs = 0 if device != "cuda" or args.disable_cuda_graph else given_or_default("cuda_graph_max_bs")
+    no_graphs = device != "cuda" or args.disable_cuda_graph or args.tp_size > 1  # pieces: one GPU, for now
+    prefill_graphs = 0 if no_graphs else given_or_default("prefill_graph_max_tokens")
     model_processes = args.tp_size // args.nnodes * args.dp_size  # on this host
     return Settings(
         device=device,
@@ -111,6 +113,7 @@ def resolve_settings(args: ServerArgs) -> Settings:
         max_running_requests=given_or_default("max_running_requests"),
         chunked_prefill_size=given_or_default("chunked_prefill_size"),
         cuda_graph_max_bs=max(0, graphs),
+        prefill_graph_max_tokens=max(0, prefill_graphs),
         max_consecutive_prefills=given_or_default("max_consecutive_prefills"),
         max_prefill_wait_steps=given_or_default("max_prefill_wait_steps"),
         grammar_shards=shards,

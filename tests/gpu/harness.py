@@ -56,6 +56,7 @@ def make_runner(
     kv_gb: float = 1.0,
     lora_slots: int = 0,
     max_lora_rank: int = 16,
+    prefill_graph_tokens: int = 0,
 ) -> tuple[ModelRunner, "Harness"]:
     config = RunnerConfig(
         model_path=config_path,
@@ -67,6 +68,7 @@ def make_runner(
         seed=seed,
         context_length=4096,
         cuda_graph_max_bs=graph_bs if graphs else 0,
+        prefill_graph_max_tokens=prefill_graph_tokens,
         max_running_requests=max_reqs,
         lora_slots=lora_slots,
         max_lora_rank=max_lora_rank,
@@ -95,8 +97,11 @@ class Harness:
         self.pool.table[dst, :n] = self.pool.table[src, :n]
         self.lens[dst] = n
 
-    def extend(self, rows: list[int], new_ids: list[list[int]], lora: list[int] | None = None) -> torch.Tensor:
-        """`lora`: each row's adapter slot (-1: none), for a runner with a LoRA pool."""
+    def extend(
+        self, rows: list[int], new_ids: list[list[int]], lora: list[int] | None = None, all_logits: bool = False
+    ) -> torch.Tensor:
+        """`lora`: each row's adapter slot (-1: none), for a runner with a LoRA pool; `all_logits`: a row of logits
+        per new token."""
         prefix = [self.lens.get(r, 0) for r in rows]
         slots = self.alloc.alloc(sum(len(i) for i in new_ids))
         locs, positions, off = [], [], 0
@@ -119,6 +124,7 @@ class Harness:
             prefix,
             [len(i) for i in new_ids],
             self.pool.table,
+            return_all_logits=all_logits,
         )
         if lora is not None:
             batch.lora = make_lora_batch(lora, self.dev, [len(i) for i in new_ids])
