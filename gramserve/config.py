@@ -140,6 +140,9 @@ class ServerArgs:
     watchdog_timeout: float = 60.0
     # a request still running after this many seconds ends with a 504 (None: no limit)
     request_timeout: float | None = None
+    # Under load a request's outputs reach the main process at most this often (detokenizer/pacing.py): the
+    # interval grows with the requests in flight up to this; first and last outputs are never held (0: off).
+    stream_interval_max_ms: float = 50.0
     # SIGTERM / Ctrl-C: requests running may finish for this long (seconds), then the rest fail with a 503
     shutdown_timeout: float = 30.0
     # CORS, as vLLM's and SGLang's servers answer browsers by default ("*"); no origins: no CORS headers at all
@@ -273,6 +276,7 @@ class ServerArgs:
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"--request-timeout must be 0 (no limit) or more, got {self.request_timeout}")
         for name in (
+            "stream_interval_max_ms",
             "shutdown_timeout",
             "max_queued_requests",
             "chunked_prefill_size",
@@ -489,6 +493,14 @@ class ServerArgs:
             type=float,
             default=defaults.request_timeout,
             help="seconds a request may run (queueing included) before it ends with a 504; default: no limit",
+        )
+        parser.add_argument(
+            "--stream-interval-max-ms",
+            type=float,
+            default=defaults.stream_interval_max_ms,
+            help="under load, a request's tokens are streamed at most this often, a few per chunk (the interval is "
+            "0.2 ms per request in flight, up to this; a first token and a last one go at once; 0: every token "
+            "as it comes)",
         )
         parser.add_argument(
             "--shutdown-timeout",

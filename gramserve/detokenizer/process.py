@@ -7,11 +7,14 @@
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from gramserve.config import ServerConfig
 from gramserve.detokenizer.incremental import IncrementalDecoder, StopStringFilter
+from gramserve.detokenizer.pacing import OutputPacer
 from gramserve.ipc import DETOKENIZER_IN, TOKENIZER_MANAGER_IN, exit_when_parent_dies, pull_socket, push_socket
 from gramserve.messages import BatchTextOut, BatchTokenOut, FinishReason
 
@@ -138,11 +141,19 @@ def run_detokenizer_process(config: ServerConfig, ready_pipe: Any) -> None:
     ctx = zmq.Context()
     recv_sock = pull_socket(ctx, config.ipc_path(DETOKENIZER_IN))
     send_sock = push_socket(ctx, config.ipc_path(TOKENIZER_MANAGER_IN))
+    max_interval = config.args.stream_interval_max_ms / 1e3
+    pacer = OutputPacer(max_interval) if max_interval > 0 else None
     ready_pipe.send("ready")
     logger.info("detokenizer ready")
 
     try:
         while True:
+            due = pacer.next_due() if pacer is not None else None
+            if due is not None and not recv_sock.poll(max(1, math.ceil((due - time.monotonic()) * 1e3))):
+                out = pacer.take_due(time.monotonic())
+                if out is not None:
+                    send_sock.send_pyobj(out)
+                continue
             msg = recv_sock.recv_pyobj()
             if not isinstance(msg, BatchTokenOut):
                 send_sock.send_pyobj(msg)  # e.g. ControlResp: forwarded unchanged
@@ -156,6 +167,8 @@ def run_detokenizer_process(config: ServerConfig, ready_pipe: Any) -> None:
                 except Exception:
                     logger.exception("could not abort the failed batch either")
                     continue
+            if out is not None and pacer is not None:
+                out = pacer.push(out, len(manager.states), time.monotonic())
             if out is not None:
                 send_sock.send_pyobj(out)
     except KeyboardInterrupt:
