@@ -149,11 +149,13 @@ def run_detokenizer_process(config: ServerConfig, ready_pipe: Any) -> None:
     try:
         while True:
             due = pacer.next_due() if pacer is not None else None
-            if due is not None and not recv_sock.poll(max(1, math.ceil((due - time.monotonic()) * 1e3))):
-                out = pacer.take_due(time.monotonic())
-                if out is not None:
-                    send_sock.send_pyobj(out)
-                continue
+            if due is not None:  # held outputs: wait for the next step only until they are due
+                wait = due - time.monotonic()
+                if wait <= 0 or not recv_sock.poll(math.ceil(wait * 1e3)):
+                    out = pacer.take_due(time.monotonic())
+                    if out is not None:
+                        send_sock.send_pyobj(out)
+                    continue
             msg = recv_sock.recv_pyobj()
             if not isinstance(msg, BatchTokenOut):
                 send_sock.send_pyobj(msg)  # e.g. ControlResp: forwarded unchanged
