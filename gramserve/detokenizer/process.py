@@ -15,6 +15,7 @@ from typing import Any
 from gramserve.config import ServerConfig
 from gramserve.detokenizer.incremental import IncrementalDecoder, StopStringFilter
 from gramserve.detokenizer.pacing import OutputPacer
+from gramserve.gc_pauses import freeze_heap
 from gramserve.ipc import DETOKENIZER_IN, TOKENIZER_MANAGER_IN, exit_when_parent_dies, pull_socket, push_socket
 from gramserve.messages import BatchTextOut, BatchTokenOut, FinishReason
 
@@ -143,6 +144,7 @@ def run_detokenizer_process(config: ServerConfig, ready_pipe: Any) -> None:
     send_sock = push_socket(ctx, config.ipc_path(TOKENIZER_MANAGER_IN))
     max_interval = config.args.stream_interval_max_ms / 1e3
     pacer = OutputPacer(max_interval) if max_interval > 0 else None
+    freeze_heap("detokenizer")
     ready_pipe.send("ready")
     logger.info("detokenizer ready")
 

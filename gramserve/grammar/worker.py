@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from gramserve.config import ServerConfig
+from gramserve.gc_pauses import freeze_heap
 from gramserve.grammar.backends.base import GrammarOptions
 from gramserve.grammar.disk_cache import default_cache_dir
 from gramserve.grammar.grammar_shm import attach_grammar_shm
@@ -88,6 +89,7 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
     ctx = zmq.Context()
     inbox = pull_socket(ctx, launch.replica_path(grammar_inbox(shard)))
     to_scheduler = push_socket(ctx, launch.replica_path(SCHEDULER_GRAMMAR_IN))
+    freeze_heap(f"grammar worker {shard}")
     ready_pipe.send({"ok": True})
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)

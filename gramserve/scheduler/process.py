@@ -9,6 +9,7 @@ import torch
 import zmq
 
 from gramserve.config import ServerConfig
+from gramserve.gc_pauses import freeze_heap
 from gramserve.ipc import DETOKENIZER_IN, SCHEDULER_IN, exit_when_parent_dies, pull_socket, push_socket
 from gramserve.messages import (
     AbortReq,
@@ -51,6 +52,7 @@ def run_scheduler_process(config: ServerConfig, ready_pipe, heartbeat=None, tp: 
     outputs = Outputs(push_socket(ctx, config.ipc_path(DETOKENIZER_IN)))
     if config.args.dp_size > 1:  # control answers and finished requests go to the data-parallel controller
         outputs = Outputs(outputs.to_detok, push_socket(ctx, config.ipc_path(SCHEDULER_IN)), config.launch.replica)
+    freeze_heap(name)
     ready_pipe.send({"ok": True, "runner": scheduler.runner.info.__dict__})
     try:
         loop(scheduler, inbox, outputs, heartbeat)

@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from gramserve.config import ServerConfig
+from gramserve.gc_pauses import freeze_heap
 from gramserve.server.admin_api import admin_router
 from gramserve.server.auth import ApiKeyMiddleware, key_policy
 from gramserve.server.batch.batches_api import batches_router
@@ -36,6 +37,7 @@ def create_app(config: ServerConfig, tm: TokenizerManager, runner_info: dict) ->
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         tm.start()  # the receive loop needs the server's event loop
+        freeze_heap("main process")
         warming = (
             asyncio.create_task(warm_up_server(config, tm, runner_info)) if tm.health and tm.health.warming else None
         )
