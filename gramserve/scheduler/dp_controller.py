@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from gramserve.config import ServerConfig
+from gramserve.gc_pauses import freeze_heap
 from gramserve.ipc import (
     DETOKENIZER_IN,
     SCHEDULER_IN,
@@ -221,6 +222,7 @@ def run_dp_controller_process(config: ServerConfig, ready_pipe) -> None:
     )
     exit_when_parent_dies()
     controller = Controller(config, zmq.Context())
+    freeze_heap("data-parallel controller")
     ready_pipe.send({"ok": True})
     logger.info("routing to %d replicas (%s)", controller.replicas, config.args.load_balance_method)
     controller.run()

@@ -11,6 +11,7 @@ import logging
 import torch
 
 from gramserve.config import ServerConfig
+from gramserve.gc_pauses import freeze_heap
 from gramserve.ipc import exit_when_parent_dies
 from gramserve.model.parallel import TPConfig
 from gramserve.model.runner import ModelRunner
@@ -36,6 +37,7 @@ def run_tp_worker_process(config: ServerConfig, ready_pipe, tp: TPConfig) -> Non
         logger.exception("tensor-parallel rank %d failed to start", tp.rank)
         ready_pipe.send({"error": f"{type(exc).__name__}: {exc}"})
         return
+    freeze_heap(f"tensor-parallel rank {tp.rank}")
     ready_pipe.send({"ok": True})
     runner.follow(table)
     logger.info("rank 0 stopped; exiting")
