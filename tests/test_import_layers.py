@@ -14,7 +14,7 @@ TYPE_CHECKING). The layers, top down:
     grammar protocol        sampling, base                          (grammar_shm, token_feed: the scheduler's share)
     model, parsers          base
     sampling                base
-    base                    nothing else (config, ipc, messages, host_memory, histogram, native, sampling.params)
+    base                    nothing else (config, ipc, messages, host_memory, histogram, gc_pauses, native, sampling.params)
 
 So the scheduler process loads no grammar backend code, and the grammar workers load no model code. Read
 statically with `ast`, without importing anything.
@@ -36,6 +36,7 @@ PARTS = {
     "gramserve.messages": "base",
     "gramserve.host_memory": "base",
     "gramserve.histogram": "base",
+    "gramserve.gc_pauses": "base",
     "gramserve.native": "base",
     "gramserve.sampling.params": "base",
     "gramserve.sampling": "sampling",
