@@ -14,7 +14,8 @@ TYPE_CHECKING). The layers, top down:
     grammar protocol        sampling, base                          (grammar_shm, token_feed: the scheduler's share)
     model, parsers          base
     sampling                base
-    base                    nothing else (config, ipc, messages, host_memory, histogram, gc_pauses, native, sampling.params)
+    base                    nothing else (config, ipc, messages, host_memory, histogram, gc_pauses, native,
+                            sampling.params)
 
 So the scheduler process loads no grammar backend code, and the grammar workers load no model code. Read
 statically with `ast`, without importing anything.
