@@ -31,6 +31,12 @@ def step(*items) -> BatchTextOut:
     )
 
 
+def _textless(rid: str, token: int) -> BatchTextOut:
+    out = step((rid, token))
+    out.text_deltas[0] = ""
+    return out
+
+
 def sent(out: BatchTextOut | None) -> list[tuple[str, int]]:
     return [] if out is None else [(rid, ids[0]) for rid, ids in zip(out.rids, out.new_token_ids)]
 
@@ -63,9 +69,14 @@ def test_a_finish_goes_at_once_after_what_its_request_had_waiting():
     assert out.finished[0] is None and out.finished[1].type == "stop"
     assert "a" not in pacer.last_sent and "a" not in pacer.held
     assert sent(pacer.take_due(now=0.040)) == [("b", 2), ("b", 3)]
+    # Outputs without text yet (part of a character, a possible stop string) do not start the interval.
+    assert sent(pacer.push(_textless("d", 1), STREAMS, now=0.041)) == [("d", 1)]
+    assert sent(pacer.push(_textless("d", 2), STREAMS, now=0.042)) == [("d", 2)]
+    assert sent(pacer.push(step(("d", 3)), STREAMS, now=0.043)) == [("d", 3)]  # its first text: at once
+    assert pacer.push(step(("d", 4)), STREAMS, now=0.044) is None
     # An aborted request's first and only output goes at once too.
     assert sent(pacer.push(step(("c", 9, "abort")), STREAMS, now=0.041)) == [("c", 9)]
-    assert pacer.last_sent == {"b": 0.040}
+    assert pacer.last_sent == {"b": 0.040, "d": 0.043}
 
 
 def test_with_few_requests_in_flight_nothing_waits():

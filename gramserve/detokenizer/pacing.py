@@ -7,9 +7,10 @@ output per stream every 2-4 ms, about 17,000 a second, and that saturated the lo
 
 `OutputPacer` holds a request's outputs back until `interval` has passed since its last one went out, where the
 interval grows with the number of requests in flight (`STREAM_CHUNKS_PER_S` outputs a second in all) up to
-`max_interval`. A request's first output and its last (finished) are never held, so TTFT and the end of a request do
-not move; with few requests in flight the interval is shorter than a decode step and nothing is held. The main
-process merges the held outputs of a request into one (`merge_outputs`).
+`max_interval`. A request's outputs up to its first text (an output may hold no text yet: part of a UTF-8 character,
+a possible stop string) and its last (finished) are never held, so TTFT and the end of a request do not move; with
+few requests in flight the interval is shorter than a decode step and nothing is held. The main process merges the
+held outputs of a request into one (`merge_outputs`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class _Held:
 class OutputPacer:
     def __init__(self, max_interval_s: float):
         self.max_interval = max_interval_s
-        self.last_sent: dict[str, float] = {}  # rid -> when its last output went out (requests that started)
+        self.last_sent: dict[str, float] = {}  # rid -> when its last output went out (requests whose text began)
         self.held: dict[str, _Held] = {}
         self.due_at: dict[str, float] = {}  # rid -> when its held outputs go out
 
@@ -41,15 +42,15 @@ class OutputPacer:
         send: list[tuple] = []
         interval = self.interval(streams)
         for item in _items(out):
-            rid, finished = item[0], item[3]
+            rid, text, finished = item[0], item[1], item[3]
             last = self.last_sent.get(rid)
             if finished is not None or last is None or (rid not in self.held and now - last >= interval):
                 send += self._release(rid)
                 send.append(item)
-                if finished is None:
-                    self.last_sent[rid] = now
-                else:
+                if finished is not None:
                     self.last_sent.pop(rid, None)
+                elif text or last is not None:
+                    self.last_sent[rid] = now
             else:
                 self.held.setdefault(rid, _Held()).items.append(item)
                 self.due_at.setdefault(rid, last + interval)

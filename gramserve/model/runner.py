@@ -306,7 +306,9 @@ class ModelRunner:
         if self.cfg.prefill_graph_max_tokens > 0 and self.tp.size == 1:
             from gramserve.model.prefill_graphs import PrefillGraphRunner
 
-            self.prefill_graphs = PrefillGraphRunner(self.model, self.backend, self.cfg.prefill_graph_max_tokens)
+            # No step runs more tokens than max_step_tokens: larger graphs would only take memory.
+            most = min(self.cfg.prefill_graph_max_tokens, self.cfg.max_step_tokens)
+            self.prefill_graphs = PrefillGraphRunner(self.model, self.backend, most)
             self.prefill_graphs.capture()
             self.info.prefill_graph_max_tokens = self.prefill_graphs.max_tokens
         if self.memory is not None and (self.graph_runner is not None or self.prefill_graphs is not None):
