@@ -15,23 +15,16 @@ held outputs of a request into one (`merge_outputs`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from gramserve.messages import BatchTextOut
 
 STREAM_CHUNKS_PER_S = 5000.0  # outputs a second, over all requests, that the main process takes in its stride
-
-
-@dataclass
-class _Held:
-    items: list[tuple] = field(default_factory=list)  # BatchTextOut columns of each held output, in order
 
 
 class OutputPacer:
     def __init__(self, max_interval_s: float):
         self.max_interval = max_interval_s
         self.last_sent: dict[str, float] = {}  # rid -> when its last output went out (requests whose text began)
-        self.held: dict[str, _Held] = {}
+        self.held: dict[str, list[tuple]] = {}  # rid -> the BatchTextOut columns of its held outputs, in order
         self.due_at: dict[str, float] = {}  # rid -> when its held outputs go out
 
     def interval(self, streams: int) -> float:
@@ -52,7 +45,7 @@ class OutputPacer:
                 elif text or last is not None:
                     self.last_sent[rid] = now
             else:
-                self.held.setdefault(rid, _Held()).items.append(item)
+                self.held.setdefault(rid, []).append(item)
                 self.due_at.setdefault(rid, last + interval)
         return _batch(send + self._due_items(now))
 
@@ -72,8 +65,7 @@ class OutputPacer:
 
     def _release(self, rid: str) -> list[tuple]:
         self.due_at.pop(rid, None)
-        held = self.held.pop(rid, None)
-        return held.items if held is not None else []
+        return self.held.pop(rid, [])
 
 
 def _items(out: BatchTextOut) -> list[tuple]:
