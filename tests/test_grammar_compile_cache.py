@@ -101,13 +101,16 @@ def test_a_step_for_a_request_still_compiling_waits_for_its_compile(tokenizer):
 
 def test_fill_lanes_are_compiled_after_the_first_answer(tokenizer):
     """With 2 fill threads llguidance needs a second prototype per grammar: the first request is answered after one
-    compile, the second prototype follows in the background, and later requests take the two in turn."""
+    compile, the second prototype follows in the background once the answer is out (the worker sends it, then calls
+    start_background), and later requests take the two in turn."""
     svc = make_service(tokenizer, default_backend="llguidance", fill_threads=2)
     try:
         text = suite_schema("extraction_record")
         svc.submit(GrammarCompileReq("r0", GrammarRequest("json_schema", text, backend="llguidance")))
         assert collect(svc, {"r0"})["r0"].backend == "llguidance"
         compiled = svc.cache.get_recent(("llguidance", "json_schema", text))
+        assert len(compiled.protos) == 1  # nothing started before the answer
+        svc.start_background()
         deadline = time.monotonic() + 30
         while len(compiled.protos) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -155,6 +158,7 @@ def test_fill_probe_ranks_the_backends_as_a_long_walk_does(tokenizer):
 
 
 def wait_challengers(svc: GrammarService, timeout: float = 60) -> None:
+    svc.start_background()  # as the worker does once the answers are out
     deadline = time.monotonic() + timeout
     while svc.pending and time.monotonic() < deadline:
         assert svc.poll_compiles() == []  # nobody waits for a challenger

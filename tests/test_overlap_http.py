@@ -231,6 +231,60 @@ def test_a_grammar_compiled_lately_runs_before_its_compile_answer(overlap_url, m
         jsonschema.validate(json.loads(outs[0]["message"]["content"]), schema)
 
 
+def test_new_grammars_park_their_logits_under_both_loops(base_url, overlap_url, model_name):
+    """Requests with new grammars prefill while their grammars compile and are sampled from their saved logits once
+    ready (Scheduler.parked), beside running free requests' decode steps or alone: under both loops the tokens and
+    logprobs equal those of the same requests sent again, when the grammars are cached and nothing parks."""
+    from uuid import uuid4
+
+    def constrained(i: int, tag: str) -> dict:
+        schema = dict(SCHEMA, **{"$comment": f"{tag}-{i}"})  # new to both servers
+        return {
+            "model": model_name,
+            "messages": [{"role": "user", "content": f"City number {i} as JSON."}],
+            "max_tokens": 30,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+            "grammar_backend": "llguidance",  # the same masks both times (auto may switch a grammar's backend)
+        }
+
+    free = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+
+    async def run(url: str, bodies: list[dict]) -> list[dict]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            frees = [client.post(url + "/v1/completions", json=free) for _ in range(2)]
+            asks = [client.post(url + "/v1/chat/completions", json=b) for b in bodies]
+            rs = await asyncio.gather(*frees, *asks)
+        for r in rs:
+            assert r.status_code == 200, r.text
+        return [r.json()["choices"][0] for r in rs[2:]]
+
+    def tokens(choice: dict) -> list[tuple[str, float]]:
+        return [(t["token"], t["logprob"]) for t in choice["logprobs"]["content"]]
+
+    for url in (overlap_url, base_url):
+        tag = uuid4().hex
+        bodies = [constrained(i, tag) for i in range(4)]
+        parked = httpx.get(url + "/get_server_info").json()["stats"]["parked_samples"]
+        first = asyncio.run(run(url, bodies))
+        assert httpx.get(url + "/get_server_info").json()["stats"]["parked_samples"] > parked
+        parked = httpx.get(url + "/get_server_info").json()["stats"]["parked_samples"]
+        alone = httpx.post(url + "/v1/chat/completions", json=constrained(9, tag), timeout=120).json()["choices"][0]
+        assert httpx.get(url + "/get_server_info").json()["stats"]["parked_samples"] == parked + 1  # a step of its own
+        again = asyncio.run(run(url, bodies)) + [
+            httpx.post(url + "/v1/chat/completions", json=constrained(9, tag), timeout=120).json()["choices"][0]
+        ]
+        for a, b in zip(first + [alone], again):
+            assert a["message"]["content"] == b["message"]["content"]
+            assert [t for t, _ in tokens(a)] == [t for t, _ in tokens(b)]
+            assert [lp for _, lp in tokens(a)] == pytest.approx([lp for _, lp in tokens(b)], abs=1e-3)
+            if a["finish_reason"] == "stop":
+                jsonschema.validate(json.loads(a["message"]["content"]), SCHEMA)
+        assert wait_pool_whole(url)["used_slots"] == 0
+
+
 def test_many_constrained_streams_with_disconnects(overlap_url, model_name):
     """Constrained requests that share batches, finish at different steps, and hang up with tokens in flight:
     every finished output is valid, and every grammar slot and KV slot comes back."""

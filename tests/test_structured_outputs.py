@@ -826,10 +826,10 @@ def test_a_range_whose_bounds_are_not_multiples_is_served(client, model_name):
 
 
 def test_a_prompt_prefills_while_its_new_grammar_compiles(client, model_name, base_url):
-    """A request whose grammar is new prefills its prompt but for the last token while the grammar compiles; that
-    token then goes in as a decode row (Req.grammar_pending). Its greedy output equals the same request's once the
-    grammar is cached (no hold), for a prompt longer than a prefill chunk, and for one whose prefix is already cached
-    but for its last token (nothing to prefill: it waits out of the queue, as before)."""
+    """A request whose grammar is new prefills its whole prompt while the grammar compiles, and its last logits row
+    waits on the device for the first mask (Scheduler.parked). Its greedy output equals the same request's once the
+    grammar is cached (no parking), for a prompt longer than a prefill chunk (the compile ends during its prefill:
+    nothing parks), for a short one, and for one whose prefix is already cached but for its last token."""
 
     def stats() -> dict:
         return httpx.get(base_url + "/get_server_info", timeout=30).json()["stats"]
@@ -853,15 +853,14 @@ def test_a_prompt_prefills_while_its_new_grammar_compiles(client, model_name, ba
             "$comment": uuid4().hex,  # new to the server
         }
 
-    # A prompt of several chunks: the compile ends during its prefill, which then runs to its end (nothing held).
     long_prompt = "Describe one person as JSON. " + " ".join(f"fact {i}: nothing." for i in range(160))
-    for prompt, held in ((long_prompt, 0), ("A person as JSON, please.", 1)):
-        held_before = stats()["held_last_tokens"]
+    for prompt, parks in ((long_prompt, 0), ("A person as JSON, please.", 1)):
+        parked_before = stats()["parked_samples"]
         s = schema()
         first = ask(prompt, s)  # the compile and the prefill overlap
-        assert stats()["held_last_tokens"] == held_before + held
-        assert ask(prompt, s) == first  # cached grammar: admitted at once, whole prompt prefilled
-        s2 = schema()
-        again = ask(prompt, s2)  # the prompt's prefix is cached but for the last token: nothing to hold
-        assert stats()["held_last_tokens"] == held_before + held
-        assert ask(prompt, s2) == again == first
+        assert stats()["parked_samples"] == parked_before + parks
+        assert ask(prompt, s) == first  # cached grammar: admitted at once, sampled at its prefill's end
+        assert stats()["parked_samples"] == parked_before + parks
+        again = ask(prompt, schema())  # the prompt's prefix is cached: one token to prefill, then parked
+        assert stats()["parked_samples"] == parked_before + parks + 1
+        assert again == first

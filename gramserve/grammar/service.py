@@ -76,6 +76,8 @@ SWITCH_MARGIN = 0.75
 # Challengers run one at a time on their own thread, never ahead of compiles that requests wait for; when many new
 # grammars arrive at once, the ones past this many waiting are not challenged.
 MAX_CHALLENGERS = 8
+# A challenger starts this long after its grammar's answer (seconds).
+CHALLENGE_DELAY_S = 0.05
 # challenge_when_idle: a challenger starts once no step nor compile answer has come for this long (seconds).
 IDLE_S = 0.5
 # The kinds whose outputs the loop guard watches (JSON; a regex or EBNF may mean its repetitions).
@@ -183,6 +185,7 @@ class GrammarService:
         # Called (on the compiling thread) when a compile ends, so the worker's loop wakes for `poll_compiles` at
         # once instead of at its next poll.
         self.compile_done: Callable[[], None] | None = None
+        self._background: list[Callable[[], None]] = []  # started once compiles' answers are out (start_background)
         if default_backend != "auto":
             self.backend(default_backend)
             if self._in_process(default_backend):
@@ -290,6 +293,9 @@ class GrammarService:
             relaxed = backend.endswith(RELAXED)
             return CompileResult(compile_grammar(self.backend(backend), grammar, relaxed), "compiled")
         incumbent, incumbent_compiled = f.best
+        # Not while the grammar's first requests take their first tokens (their fills would wait for the GIL).
+        time.sleep(CHALLENGE_DELAY_S)
+        f.started = time.monotonic()
         # A quick look first (a few ms): is the backend serving it cheap enough to stop at?
         quick_us = probe_fill_us(self.backend(incumbent), incumbent_compiled)
         if quick_us <= SWITCH_FILL_US:
@@ -372,7 +378,8 @@ class GrammarService:
         return GrammarCompileResp(rid, backend, None, ms, source, dict(probes))
 
     def poll_compiles(self) -> list[GrammarCompileResp]:
-        """Collect finished (or timed-out) compiles."""
+        """Collect finished (or timed-out) compiles. Their background work waits for `start_background`."""
+        self.start_background()
         out = []
         now = time.monotonic()
         for f in list(self.pending.values()):
@@ -434,7 +441,7 @@ class GrammarService:
         self.stats["disk_hits" if result.source == "disk" else "compiled"] += 1
         backend = self.backend(f.backend)
         if backend.fill_lanes > 1:  # after the answer, not before: a new grammar's first request waits for one compile
-            self.pool.submit(_add_lanes, backend, result.compiled)
+            self._background.append(lambda: self.pool.submit(_add_lanes, backend, result.compiled))
         if result.fill_us is not None:
             f.probes[f.backend] = round(result.fill_us, 2)
         margin = SWITCH_MARGIN if f.challenger else 1.0
@@ -442,8 +449,16 @@ class GrammarService:
             f.best = (f.backend, result.compiled)
         out = self._conclude(f, result.source)
         if not f.challenger and f.auto and result.source == "compiled" and f.rids and self._others_left(f):
-            self._challenge(f)
+            self._background.append(lambda: self._challenge(f))
         return out
+
+    def start_background(self) -> None:
+        """Start the work that compiles queued for after their answers (fill lanes, challengers): those threads
+        contend for the GIL and the cores, so the worker sends the answers first (a new grammar's first token waits
+        for them), then calls this. `poll_compiles` also starts what an earlier call left."""
+        work, self._background = self._background, []
+        for start in work:
+            start()
 
     def _challenge(self, f: _Flight) -> None:
         """Measure the served backend's fills in the background and, if costly, compile and measure the next one;

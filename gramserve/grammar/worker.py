@@ -118,6 +118,7 @@ def run_grammar_worker(config: ServerConfig, ready_pipe, shard: int = 0) -> None
                         busy_until = time.monotonic() + msg.busy_poll_ms / 1e3
             for resp in service.poll_compiles():
                 to_scheduler.send_pyobj(resp)
+            service.start_background()
     finally:
         service.compile_done = None
         service.close()

@@ -42,10 +42,9 @@ class Admission:
         self.failed: list[Req] = []  # left the queue with an error (their adapter could not be read again)
         self.waiting: deque[Req] = deque()
         self.chunked: Req | None = None  # the request whose prompt is being prefilled chunk by chunk
-        # Taken out of the queue while their grammar compiles (Req.grammar_pending) because the prefix cache holds
-        # their prompt but for the last token: nothing to prefill before the grammar is ready. The scheduler queues
-        # them again on the compile answer.
-        self.unqueued: list[Req] = []
+        # How many more requests whose grammar compiles (Req.grammar_pending) this pick may admit: each parks its
+        # last logits row on the device until the grammar is ready (set by the scheduler before each pick).
+        self.pending_room = 0
 
     def withdraw(self, rid: str) -> Req | None:
         """Take a waiting or partly prefilled request out (an abort)."""
@@ -57,7 +56,7 @@ class Admission:
         return req
 
     def clear(self) -> None:
-        self.waiting, self.chunked, self.unqueued = deque(), None, []
+        self.waiting, self.chunked = deque(), None
 
     def ordered_waiting(self) -> list[Req]:
         if self.schedule_policy == "lpm" and not self.cache.disabled and len(self.waiting) > 1:
@@ -82,7 +81,7 @@ class Admission:
         # prefill (on a CPU, tens of seconds): new prompts that fit whole in half the budget go first, and the
         # chunked request takes the rest, at least half, so it keeps going. They count it as running, and leave
         # the KV free for the rest of its prompt.
-        rest = chunked.prefill_end - chunked.kv_len
+        rest = len(chunked.fill_ids) - chunked.kv_len
         taken = self._pick_waiting(picked, budget // 2, running + [chunked], whole_only=True, keep_free=rest)
         take = min(rest, budget - taken, self.kv.available() - taken)
         if take > 0:  # else wait for running requests to finish and free memory
@@ -117,12 +116,10 @@ class Admission:
                     continue  # its adapter waits for a free slot (--max-loras-per-batch)
                 if not self._lora_ready(req):
                     continue  # its adapter is being read again, or could not be (failed)
+            if req.grammar_pending and self.pending_room <= 0:
+                continue  # it waits for its compile in the queue, as without room to park
             match = self.cache.match_prefix(req.fill_ids[:-1], req.cache_namespace)
-            extend = req.prefill_end - match.length
-            if extend <= 0:  # a request whose grammar compiles, with nothing to prefill before it: out of the queue
-                self.waiting.remove(req)
-                self.unqueued.append(req)
-                continue
+            extend = len(req.fill_ids) - match.length
             if whole_only and extend > budget:
                 skipped += 1  # a long prompt waits for the chunked one; shorter ones behind it may still fit
                 continue
@@ -140,6 +137,7 @@ class Admission:
                 active.add(req.lora_id)
             self.waiting.remove(req)
             self._admit(req, match)
+            self.pending_room -= req.grammar_pending
             picked.append((req, take))
             taken += take
             reserved += reserve

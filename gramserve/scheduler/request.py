@@ -45,9 +45,11 @@ class Req:
         self.grammar = msg.grammar
         self.grammar_backend: str | None = None  # which backend compiled it
         self.grammar_started = msg.grammar is not None and not msg.grammar.start_after
-        # Its grammar is compiling: the prompt prefills but for its last token, which goes in as a decode row once
-        # the grammar is ready (Scheduler.poll_grammar), so the compile and the prefill overlap.
+        # Its grammar is compiling: the prompt prefills meanwhile, and the logits of its last position wait on the
+        # device (`saved_logits`) for the grammar's first mask (Scheduler.parked), so the compile and the prefill
+        # overlap and no step is spent once the grammar is ready.
         self.grammar_pending = False
+        self.saved_logits = None  # torch.Tensor [vocab] while parked
         max_stop = max((len(s) for s in self.params.stop), default=0)
         self._stop_tail_tokens = max_stop + 2
         self.stops_live = bool(self.params.stop)  # off once a `stop_until` marker appeared (a tool call began)
@@ -59,12 +61,6 @@ class Req:
     def fill_ids(self) -> list[int]:
         """Every token whose K/V the request needs before it can sample its next token."""
         return self.origin_input_ids + self.output_ids
-
-    @property
-    def prefill_end(self) -> int:
-        """How many of `fill_ids` are prefilled before the request samples (all but the last while its grammar is
-        pending)."""
-        return len(self.fill_ids) - self.grammar_pending
 
     @property
     def cache_namespace(self) -> int | None:

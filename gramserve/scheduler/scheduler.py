@@ -43,6 +43,9 @@ from gramserve.scheduler.request import Req
 from gramserve.scheduler.stats import StepPhases, server_info_report, zero_counters
 
 LOGPROB_FLOOR = -9999.0  # a token's logprob when the model's was NaN or -inf (OpenAI's floor)
+# Device memory for the last logits rows of prompts prefilled while their grammar compiles (Scheduler.parked); past
+# it, such requests wait for their compile in the queue instead.
+PARKED_LOGITS_BYTES = 64 << 20
 
 
 @dataclass
@@ -111,8 +114,8 @@ class Scheduler:
         self.grammar = grammar
         self.grammar_wait: dict[str, Req] = {}  # compiling constraints, by rid
         self.grammar_early: dict[str, Req] = {}  # admitted before their compile answer (GrammarClient.compile)
-        # Prefilled but for their last token, waiting for their grammar (Req.grammar_pending), by rid; they are in
-        # grammar_wait too.
+        # Prefilled while their grammar compiled, by rid, each with its last logits row (Req.saved_logits): waiting
+        # for the compile (in grammar_wait too; Req.grammar_pending), then for the next step, which samples them.
         self.parked: dict[str, Req] = {}
         self._stalled = False  # the last step found nothing to run while parked requests held what waiting ones need
         # Where a request's time to first token goes on this side: waiting for its compile answer, and from its
@@ -124,6 +127,7 @@ class Scheduler:
         self.runner = ModelRunner(runner_config(config, tp))  # rank 0 of its tensor-parallel group
         self.device = self.runner.device
         info = self.runner.info
+        self.max_parked = max(1, PARKED_LOGITS_BYTES // (4 * info.vocab_size))
         self.context_length = info.context_length
         self.allocator = TokenSlotAllocator(info.max_total_tokens, self.device)
         self.req_pool = ReqToTokenPool(settings.max_running_requests, self.context_length, self.device)
@@ -194,8 +198,8 @@ class Scheduler:
                 self.grammar_early[req.rid] = req
             else:
                 self.grammar_wait[req.rid] = req
-                # Not with images (a placeholder may not go in as a decode row), nor an adapter (its slot could go to
-                # another adapter while it is parked).
+                # Not with images (their encoder outputs are the prefill's alone), nor an adapter (its slot could go
+                # to another adapter while it is parked).
                 req.grammar_pending = not req.images and not req.lora_id
                 if not req.grammar_pending:
                     return req
@@ -206,8 +210,8 @@ class Scheduler:
         return req
 
     def _queued(self) -> int:
-        """Requests not running yet: waiting, parked, or waiting for their compile outside the waiting queue (not
-        held: images, adapters, a prompt cached but for its last token)."""
+        """Requests not running yet: waiting, parked, or waiting for their compile outside the waiting queue (those
+        that may not park: images, adapters)."""
         unqueued = sum(not r.grammar_pending for r in self.grammar_wait.values())
         return len(self.admission.waiting) + len(self.parked) + unqueued
 
@@ -237,14 +241,9 @@ class Scheduler:
             if not req.grammar_pending:
                 self.admission.waiting.append(req)
                 continue
-            req.grammar_pending = False  # still waiting or prefilling: it prefills to its end as any request
-            if self.parked.pop(req.rid, None) is not None:
-                # Its last prompt token goes in as a decode row (input read from last_tokens on the device).
-                self.stats["held_last_tokens"] += 1
-                self.last_tokens[req.req_pool_idx] = req.fill_ids[-1]
-                self.running.append(req)
-                if self.lora is not None:
-                    self.running.sort(key=lambda r: r.lora_slot)
+            # Still waiting or prefilling: it samples at its prefill's end as any request. Parked: the next step
+            # samples it from its saved logits (_take_ready).
+            req.grammar_pending = False
 
     # --- KV bookkeeping -------------------------------------------------------------------------
 
@@ -264,7 +263,8 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         waiting = self.admission.waiting and not self._stalled
-        return bool(self.running or waiting or self.admission.chunked or self.finished_early or self.inflight)
+        busy = self.running or waiting or self.admission.chunked or self.finished_early or self.inflight
+        return bool(busy) or any(not r.grammar_pending for r in self.parked.values())
 
     @torch.inference_mode()
     def step(self) -> BatchTokenOut | None:
@@ -312,17 +312,17 @@ class Scheduler:
     def _launch_forward(self) -> _Forward | None:
         """Pick a batch and launch its forward (on a GPU the call returns before the forward is done)."""
         picked: list[tuple[Req, int]] = []
+        ready = self._take_ready()
         if self._may_prefill():
             # Parked requests hold KV and will decode: admission reserves room for them as for running ones.
-            holders = self.running + list(self.parked.values()) if self.parked else self.running
+            holders = self.running + list(self.parked.values()) + ready if self.parked or ready else self.running
+            self.admission.pending_room = self.max_parked - len(self.parked)
             picked = self.admission.schedule_prefill(holders)
         if self.admission.failed:
             self.finished_early += self.admission.failed
             self.admission.failed = []
-        for req in self.admission.unqueued:  # queued again by their compile answer (poll_grammar)
-            req.grammar_pending = False
-        self.admission.unqueued = []
         riders: list[Req] = []
+        batch = None
         if picked:
             riders = self._riders(picked)
             # Decode rows that ride along are not stalled: the step does not count against the prefill limit.
@@ -331,8 +331,8 @@ class Scheduler:
             batch = self.batches.prefill(picked, riders)
             # Only requests whose whole prompt is now in the cache sample a token; riders' rows come last.
             prompted = [r for r, _ in picked]
-            completed = [r for r in prompted if r.kv_len == len(r.fill_ids)]
-            reqs, sampling = prompted + riders, completed + riders
+            completed = [r for r in prompted if r.kv_len == len(r.fill_ids) and not r.grammar_pending]
+            reqs, sampling = prompted + riders + ready, completed + riders + ready
             self.stats["prompt_tokens"] += sum(n for _, n in picked)
             self.stats["mixed_decode_rows"] += len(riders)
         elif any(r.finished is None for r in self.running):
@@ -344,25 +344,23 @@ class Scheduler:
                     if self.grammar is not None:
                         self.grammar.release_slot(req.rid)
             # Not those finished since the last step's output (a grammar rejection): they leave `running` next.
-            reqs = sampling = [r for r in self.running if r.finished is None]
+            reqs = [r for r in self.running if r.finished is None]
             batch = self.batches.decode(reqs)
             self.phases.decoding(len(reqs))
+            reqs = sampling = reqs + ready if ready else reqs
+        elif ready:  # only parked requests to sample: no forward
+            reqs = sampling = ready
         else:
             # Nothing runs and the waiting queue cannot go on (parked requests hold the rows or the KV it needs):
             # wait for a compile answer or a new message instead of spinning.
             self._stalled = bool(self.parked)
             return None
         self._stalled = False
+        self.running += ready  # they decode from the next step on
         grammar = None
         if not self.overlap:  # every input token is known: masks are filled while the model runs
             grammar = self._masks_for(self._grammar_rows(reqs, sampling))
-        try:
-            logits = self.runner.forward(batch)
-        except Exception:
-            if grammar is not None:
-                self.grammar.wait(grammar.step)
-            raise
-        self.stats["forward_steps"] += 1
+        logits = self._run_forward(batch, grammar)
         if picked:
             chunked = self.admission.chunked
             for req in completed:  # their prefill is complete: they decode from now on
@@ -370,14 +368,45 @@ class Scheduler:
                     self.admission.chunked = None
                 if req.finished is None:
                     self.running.append(req)
-            for req in prompted:  # prefilled but for the last token: they wait for their grammar
-                if req.grammar_pending and req.kv_len == req.prefill_end and req.finished is None:
+            for row, req in enumerate(prompted):  # prefilled while their grammar compiles: parked with their logits
+                if req.grammar_pending and req.kv_len == len(req.fill_ids) and req.finished is None:
                     if req is chunked:
                         self.admission.chunked = None
+                    req.saved_logits = logits[row].clone()
                     self.parked[req.rid] = req
             if self.lora is not None:  # rows of one adapter side by side: one segment each in decode batches
                 self.running.sort(key=lambda r: r.lora_slot)
-        return _Forward(reqs, sampling, logits, grammar, batch.req_pool_indices)
+        if not ready:
+            return _Forward(reqs, sampling, logits, grammar, batch.req_pool_indices)
+        saved = [r.saved_logits for r in ready]
+        for req in ready:
+            req.saved_logits = None
+        logits = torch.stack(saved) if logits is None else torch.cat([logits, torch.stack(saved)])
+        pool_rows = self.batches.to_device([r.req_pool_idx for r in reqs])
+        return _Forward(reqs, sampling, logits, grammar, pool_rows)
+
+    def _run_forward(self, batch, grammar: _Masks | None) -> torch.Tensor | None:
+        if batch is None:
+            return None
+        try:
+            logits = self.runner.forward(batch)
+        except Exception:
+            if grammar is not None:
+                self.grammar.wait(grammar.step)
+            raise
+        self.stats["forward_steps"] += 1
+        return logits
+
+    def _take_ready(self) -> list[Req]:
+        """The parked requests whose grammar is ready, out of `parked`: this step samples them from their saved
+        logits (their rows follow the batch's own)."""
+        if not self.parked:
+            return []
+        ready = [r for r in self.parked.values() if not r.grammar_pending and r.finished is None]
+        for req in ready:
+            del self.parked[req.rid]
+        self.stats["parked_samples"] += len(ready)
+        return ready
 
     def _may_prefill(self) -> bool:
         """Whether this step may prefill waiting prompts. While requests decode: at most `max_consecutive_prefills`

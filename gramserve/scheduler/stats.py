@@ -87,7 +87,7 @@ class SchedulerCounters(TypedDict):
     retractions: int
     cached_prompt_tokens: int  # prompt tokens served from the prefix cache at first admission
     mixed_decode_rows: int  # decode tokens computed inside prefill steps (--mixed-decode)
-    held_last_tokens: int  # prompts prefilled but for their last token while their grammar compiled
+    parked_samples: int  # prompts prefilled while their grammar compiled, then sampled from their saved logits
 
 
 def zero_counters() -> SchedulerCounters:
