@@ -57,7 +57,15 @@ class TokenizedGenerateReq:
 
 @dataclass
 class GrammarCompileReq:
-    rid: str
+    rid: str | None  # None: a prefetch (no request waits for it yet)
+    grammar: GrammarRequest
+
+
+@dataclass
+class GrammarPrefetchReq:
+    """Main process -> scheduler: a request with this grammar follows once its prompt is templated and tokenized;
+    its compile may start now."""
+
     grammar: GrammarRequest
 
 

@@ -825,6 +825,49 @@ def test_a_range_whose_bounds_are_not_multiples_is_served(client, model_name):
         time.sleep(0.5)
 
 
+def test_a_new_grammar_compiles_from_before_its_prompt_is_tokenized(client, model_name, base_url):
+    """The main process asks for a new grammar's compile before it renders and tokenizes the request's prompt
+    (GrammarPrefetchReq): once per grammar; the request joins that compile or finds it cached, and a grammar that
+    cannot compile still fails its request with a 400."""
+
+    def info() -> dict:
+        return httpx.get(base_url + "/get_server_info", timeout=30).json()
+
+    def ask(schema: dict):
+        return client.chat.completions.create(
+            model=model_name,
+            messages=[{"role": "user", "content": "A person as JSON."}],
+            max_tokens=40,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        )
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "$comment": uuid4().hex,  # new to the server
+    }
+    before = info()
+    first = ask(schema)
+    after = info()
+    assert after["grammar_prefetched"] == before["grammar_prefetched"] + 1
+    compiles = [(after if i else before)["grammar_compiles"] for i in range(2)]
+    served = {k: compiles[1].get(k, 0) - compiles[0].get(k, 0) for k in ("compiled", "cache", "shared", "failed")}
+    assert served["compiled"] + served["cache"] == 1 and served["shared"] == served["failed"] == 0, served
+    if first.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(first.choices[0].message.content), schema)
+    again = ask(schema)  # seen lately: no second prefetch, the same answer
+    assert info()["grammar_prefetched"] == after["grammar_prefetched"]
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+    bad = {"type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}, "$comment": uuid4().hex}
+    with pytest.raises(openai.BadRequestError) as err:
+        ask(bad)
+    assert "grammar" in str(err.value) or "pattern" in str(err.value)
+    assert info()["grammar_prefetched"] == after["grammar_prefetched"] + 1
+
+
 def test_a_prompt_prefills_while_its_new_grammar_compiles(client, model_name, base_url):
     """A request whose grammar is new prefills its whole prompt while the grammar compiles, and its last logits row
     waits on the device for the first mask (Scheduler.parked). Its greedy output equals the same request's once the

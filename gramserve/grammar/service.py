@@ -102,6 +102,7 @@ class _Flight:
     in_process: bool = False  # compiling in a worker process (killable) rather than on a thread
     created: float = field(default_factory=time.monotonic)
     challenger: bool = False  # auto: measuring another backend in the background, for later requests
+    prefetch: bool = False  # started before its first request arrived (GrammarPrefetchReq)
 
     @property
     def auto(self) -> bool:
@@ -182,6 +183,7 @@ class GrammarService:
         self.compile_processes = compile_processes
         self._compilers: dict[str, ProcessCompiler] = {}
         self.stats = {"compiled": 0, "cache_hits": 0, "shared": 0, "disk_hits": 0, "failed": 0, "timeouts": 0}
+        self.stats["prefetched"] = 0  # compiles started before their first request (GrammarPrefetchReq)
         # Called (on the compiling thread) when a compile ends, so the worker's loop wakes for `poll_compiles` at
         # once instead of at its next poll.
         self.compile_done: Callable[[], None] | None = None
@@ -219,12 +221,19 @@ class GrammarService:
                 candidates = [chosen]
         elif name in BACKEND_NAMES:
             candidates = [name]
+        elif req.rid is None:
+            return None  # a prefetch: its request gets the error
         else:
             return GrammarCompileResp(
                 req.rid, None, f"unknown grammar backend {name!r}; use one of {list(BACKEND_NAMES) + ['auto']}"
             )
         key = (name, g.kind, g.text)
         flight = self.pending.get(key)
+        if req.rid is None:  # a prefetch: compile unless compiling or cached already; nobody is answered
+            if flight is None:
+                self.stats["prefetched"] += 1
+                self._try_next(_Flight(key, g, candidates, prefetch=True))
+            return None
         if flight is not None:
             flight.rids.append(req.rid)
             self._flight_of[req.rid] = flight
@@ -448,7 +457,8 @@ class GrammarService:
         if f.best is None or f.probes.get(f.backend, 0.0) < margin * f.probes.get(f.best[0], float("inf")):
             f.best = (f.backend, result.compiled)
         out = self._conclude(f, result.source)
-        if not f.challenger and f.auto and result.source == "compiled" and f.rids and self._others_left(f):
+        wanted = f.rids or f.prefetch  # a request waits for it, or is on its way
+        if not f.challenger and f.auto and result.source == "compiled" and wanted and self._others_left(f):
             self._background.append(lambda: self._challenge(f))
         return out
 

@@ -117,6 +117,7 @@ class GrammarClient:
         # backend that serves them; the time of each compile that ran (or disk load); each shard reply's fill time.
         self.compiles = {"compiled": 0, "shared": 0, "cache": 0, "disk": 0, "failed": 0}
         self.admitted_early = 0  # requests run before their compile answer (compile() returned True)
+        self.prefetched = 0  # compiles started ahead of their request (prefetch)
         self.backends: dict[str, int] = {}
         self.compile_hist = Histogram()
         self.fill_hist = Histogram()
@@ -132,6 +133,7 @@ class GrammarClient:
             "grammar_requests_per_shard": list(self.placed),
             "grammar_live_requests": self.live_requests,
             "grammar_admitted_early": self.admitted_early,
+            "grammar_prefetched": self.prefetched,
         }
 
     def attach(self, device: torch.device, use_feed: bool) -> None:
@@ -187,6 +189,15 @@ class GrammarClient:
         early = key in self._compiled_ok[shard]
         self.admitted_early += early
         return early
+
+    def prefetch(self, grammar: GrammarRequest) -> None:
+        """Start compiling a grammar whose request is on its way (GrammarPrefetchReq). The shard that gets it is
+        remembered as having it, so the request goes there and joins the compile (or finds it cached)."""
+        key = hash((grammar.backend, grammar.kind, grammar.text))
+        if any(key in recent for recent in self._recent):
+            return  # a shard had it lately: the request goes there anyway
+        self.to_grammar[self._pick_shard(key)].send_pyobj(GrammarCompileReq(None, grammar))
+        self.prefetched += 1
 
     def _pick_shard(self, key: int) -> int:
         """A shard that had this grammar lately (its compile cache likely holds it: no compile, and the request may

@@ -16,6 +16,7 @@ from gramserve.messages import (
     BatchTokenOut,
     ControlReq,
     ControlResp,
+    GrammarPrefetchReq,
     ReplicaFinished,
     TokenizedGenerateReq,
 )
@@ -134,6 +135,9 @@ def loop(scheduler: Scheduler, inbox: zmq.Socket, outputs: Outputs, heartbeat=No
 def handle_message(scheduler: Scheduler, msg, outputs: Outputs) -> None:
     if isinstance(msg, TokenizedGenerateReq):
         scheduler.add_request(msg)
+    elif isinstance(msg, GrammarPrefetchReq):
+        if scheduler.grammar is not None:
+            scheduler.grammar.prefetch(msg.grammar)
     elif isinstance(msg, AbortReq):
         out = scheduler.abort(msg.rid)
         if out is not None:

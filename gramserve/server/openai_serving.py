@@ -286,6 +286,7 @@ class OpenAIServing:
             grammar = replace(grammar, start_after=self.reasoning_cls.end_marker)
         check_chat_messages(req)
         check_text_output(req)
+        self.tm.prefetch_grammar(grammar)  # it compiles while the messages are rendered and tokenized
         processor, urls = self.tm.images, []
         messages, tools = render_messages(
             req.messages,
@@ -490,6 +491,7 @@ class OpenAIServing:
         check_completion_options(req)
         params = openai_sampling_params(req, self.tm.vocab_size)
         grammar = self.grammar(req)
+        self.tm.prefetch_grammar(grammar)  # it compiles while the prompts are tokenized
         prompts = self._completion_prompts(req)
         for ids in prompts:  # every prompt before any is sent
             self._check_prompt(ids, params, "prompt")

@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator
@@ -32,6 +33,7 @@ from gramserve.messages import (
     ControlReq,
     ControlResp,
     FinishReason,
+    GrammarPrefetchReq,
     GrammarRequest,
     ImageInput,
     TokenizedGenerateReq,
@@ -64,6 +66,7 @@ DISCONNECT_CHECK_S = 0.5  # how often a non-streaming request checks that its cl
 # A retry after a failed last check samples at least this hot: a greedy retry would repeat the failed output.
 RETRY_MIN_TEMPERATURE = 0.7
 PREP_THREADS = 4  # request preparation (templates, tokenizing, grammar texts) off the event loop
+PREFETCH_MEMORY = 1024  # grammars remembered as prefetched (prefetch_grammar)
 HEALTH_CHECK_S = 1.0  # how often in-flight requests are failed when the server cannot serve (health.py)
 
 
@@ -207,6 +210,9 @@ class TokenizerManager:
         self._retry_of: dict[str, str] = {}  # a request's rid -> the rid of its retry now running (for abort)
         self.rid_groups: dict[str, list[str]] = {}  # a client's rid -> the rids of the requests split from it
         self._token_texts: dict[int, str] = {}  # token_text's cache (at most the vocabulary)
+        # Grammars whose compile was started ahead of their request lately (prefetch_grammar); data parallelism
+        # routes requests to replicas only once they are tokenized, so nothing is prefetched there.
+        self._prefetched: OrderedDict[tuple, None] | None = OrderedDict() if config.args.dp_size == 1 else None
         self._prep = ThreadPoolExecutor(PREP_THREADS, thread_name_prefix="prep")
         # A text holds at least len(text) / (longest token's length) tokens: past this it cannot fit the context.
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
@@ -231,6 +237,33 @@ class TokenizerManager:
         self._closed = True
         self.ctx.destroy(linger=0)
         self._prep.shutdown(wait=False, cancel_futures=True)
+
+    def prefetch_grammar(self, grammar: GrammarRequest | None) -> None:
+        """Have the scheduler start compiling a request's grammar while the request's prompt is still being templated
+        and tokenized (the request joins that compile, or finds it done). Once per grammar seen lately: a grammar
+        compiled before costs nothing here. Callable from the prep threads too."""
+        if grammar is None or self._prefetched is None or self._loop is None or self._closed:
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:  # a prep thread
+            on_loop = False
+        if on_loop:
+            self._send_prefetch(grammar)
+        else:
+            self._loop.call_soon_threadsafe(self._send_prefetch, grammar)
+
+    def _send_prefetch(self, grammar: GrammarRequest) -> None:
+        key = (grammar.backend, grammar.kind, grammar.text)
+        seen = self._prefetched
+        if key in seen:
+            seen.move_to_end(key)
+            return
+        seen[key] = None
+        if len(seen) > PREFETCH_MEMORY:
+            seen.popitem(last=False)
+        if not self._closed:
+            self.to_scheduler.send_pyobj(GrammarPrefetchReq(grammar))
 
     def fail_all(self, message: str) -> int:
         """End every request in flight with a 503 (raised by its generator); returns how many there were."""
