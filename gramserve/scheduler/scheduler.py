@@ -603,6 +603,8 @@ class Scheduler:
             req = next((r for r in self.running if r.rid == rid), None)
             if req is not None:
                 self.running.remove(req)
+        if req is not None:
+            req.saved_logits = None  # parked: its logits row goes back now
         return req
 
     def _fail(self, req: Req, message: str, status: int) -> None:
