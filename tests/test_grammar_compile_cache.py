@@ -255,6 +255,44 @@ def test_auto_measures_the_next_backend_in_the_background_when_the_first_is_expe
         svc.close()
 
 
+def test_a_prefetch_compiles_for_the_request_that_follows(tokenizer, monkeypatch):
+    """A prefetch (GrammarCompileReq without a rid) compiles into the cache and answers nobody; under auto its
+    background measurement waits for a request (a prefetched request may never come), which then finds the grammar
+    cached, and starts it. A request arriving while the prefetch compiles joins it. At most MAX_PREFETCHES
+    prefetches compile without a request."""
+    import gramserve.grammar.service as service_module
+
+    monkeypatch.setattr(service_module, "SWITCH_FILL_US", 0.0)  # every grammar worth a challenger
+    svc = make_service(tokenizer)
+    try:
+        text = suite_schema("extraction_record")
+        assert svc.submit(GrammarCompileReq(None, GrammarRequest("json_schema", text))) is None
+        deadline = time.monotonic() + 60
+        while svc.pending and time.monotonic() < deadline:
+            assert svc.poll_compiles() == []  # nobody to answer
+            time.sleep(0.005)
+        svc.start_background()
+        assert not svc.pending and svc.stats["compiled"] == 1 and svc.stats["prefetched"] == 1  # no challenger yet
+        got = svc.submit(GrammarCompileReq("a", GrammarRequest("json_schema", text)))
+        assert got is not None and got.source == "cache" and got.backend == "llguidance"
+        wait_challengers(svc)
+        assert svc.stats["compiled"] == 2  # the challenger compiled xgrammar, for later requests
+
+        other = suite_schema("support_ticket")
+        assert svc.submit(GrammarCompileReq(None, GrammarRequest("json_schema", other))) is None
+        assert svc.submit(GrammarCompileReq("b", GrammarRequest("json_schema", other))) is None  # joins it
+        assert collect(svc, {"b"})["b"].backend == "llguidance"
+        assert svc.stats["compiled"] == 3 and svc.stats["shared"] == 1
+        wait_challengers(svc)
+
+        texts = [json.dumps({"type": "object", "properties": {f"k{i}": {"type": "integer"}}}) for i in range(20)]
+        for t in texts:
+            svc.submit(GrammarCompileReq(None, GrammarRequest("json_schema", t)))
+        assert svc.stats["prefetched"] <= 2 + service_module.MAX_PREFETCHES
+    finally:
+        svc.close()
+
+
 def test_a_burst_of_new_grammars_is_answered_at_compile_speed(tokenizer):
     """Many distinct grammars at once: each request is answered when its grammar compiles, never behind a fill
     probe; at most MAX_CHALLENGERS grammars wait for a background look."""

@@ -78,6 +78,8 @@ SWITCH_MARGIN = 0.75
 MAX_CHALLENGERS = 8
 # A challenger starts this long after its grammar's answer (seconds).
 CHALLENGE_DELAY_S = 0.05
+# Prefetched compiles that no request has joined yet, at most (more prefetches are dropped: they are only hints).
+MAX_PREFETCHES = 8
 # challenge_when_idle: a challenger starts once no step nor compile answer has come for this long (seconds).
 IDLE_S = 0.5
 # The kinds whose outputs the loop guard watches (JSON; a regex or EBNF may mean its repetitions).
@@ -188,6 +190,7 @@ class GrammarService:
         # once instead of at its next poll.
         self.compile_done: Callable[[], None] | None = None
         self._background: list[Callable[[], None]] = []  # started once compiles' answers are out (start_background)
+        self._unchallenged = LRU(64)  # auto: prefetched flights compiled before their request came, by key
         if default_backend != "auto":
             self.backend(default_backend)
             if self._in_process(default_backend):
@@ -230,7 +233,8 @@ class GrammarService:
         key = (name, g.kind, g.text)
         flight = self.pending.get(key)
         if req.rid is None:  # a prefetch: compile unless compiling or cached already; nobody is answered
-            if flight is None:
+            prefetching = sum(f.prefetch and not f.rids for f in self.pending.values())
+            if flight is None and prefetching < MAX_PREFETCHES:
                 self.stats["prefetched"] += 1
                 self._try_next(_Flight(key, g, candidates, prefetch=True))
             return None
@@ -253,6 +257,9 @@ class GrammarService:
                 return []
             if compiled is not None:
                 self.stats["cache_hits"] += 1
+                prefetched = self._unchallenged.pop(f.key, None) if f.rids else None
+                if prefetched is not None:  # compiled before its request came: challenged now that it has one
+                    self._background.append(lambda: self._challenge(prefetched))
                 return self._finish(f, backend, compiled, 0.0, "cache")
             failure = self.failures.get_recent(key)
             if failure is None:
@@ -386,9 +393,11 @@ class GrammarService:
             return GrammarCompileResp(rid, None, f"{backend}: cannot create a matcher: {exc}")
         return GrammarCompileResp(rid, backend, None, ms, source, dict(probes))
 
-    def poll_compiles(self) -> list[GrammarCompileResp]:
-        """Collect finished (or timed-out) compiles. Their background work waits for `start_background`."""
-        self.start_background()
+    def poll_compiles(self, start_background: bool = True) -> list[GrammarCompileResp]:
+        """Collect finished (or timed-out) compiles. Their background work waits for `start_background`; what earlier
+        calls left starts now, unless the caller is about to fill masks (`start_background=False`)."""
+        if start_background:
+            self.start_background()
         out = []
         now = time.monotonic()
         for f in list(self.pending.values()):
@@ -457,9 +466,11 @@ class GrammarService:
         if f.best is None or f.probes.get(f.backend, 0.0) < margin * f.probes.get(f.best[0], float("inf")):
             f.best = (f.backend, result.compiled)
         out = self._conclude(f, result.source)
-        wanted = f.rids or f.prefetch  # a request waits for it, or is on its way
-        if not f.challenger and f.auto and result.source == "compiled" and wanted and self._others_left(f):
-            self._background.append(lambda: self._challenge(f))
+        if not f.challenger and f.auto and result.source == "compiled" and self._others_left(f):
+            if f.rids:
+                self._background.append(lambda: self._challenge(f))
+            elif f.prefetch:  # its request has not come yet (and may never: a request can fail after its prefetch)
+                self._unchallenged.put(f.key, f)
         return out
 
     def start_background(self) -> None:

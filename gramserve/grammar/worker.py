@@ -152,7 +152,7 @@ def finish_compiles_for(service: GrammarService, rids: list[str], to_scheduler: 
         return
     waiting = [rid for rid in rids if service.flight_of(rid) is not None]
     while waiting:
-        for resp in service.poll_compiles():
+        for resp in service.poll_compiles(start_background=False):  # no fill-lane compiles before this step's fill
             to_scheduler.send_pyobj(resp)
         waiting = [rid for rid in waiting if service.flight_of(rid) is not None]
         if waiting:

@@ -219,6 +219,11 @@ class GrammarClient:
         """Requests whose matcher a grammar worker holds (compiled or compiling, not yet freed)."""
         return len(self._shard_of)
 
+    @property
+    def has_answers(self) -> bool:
+        """Compile answers already read off the socket (while waiting for a step's masks) and not yet polled."""
+        return bool(self._compiled)
+
     def poll_compiles(self) -> list[GrammarCompileResp]:
         while self._receive(block=False):
             pass

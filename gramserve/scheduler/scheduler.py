@@ -264,7 +264,9 @@ class Scheduler:
     def has_work(self) -> bool:
         waiting = self.admission.waiting and not self._stalled
         busy = self.running or waiting or self.admission.chunked or self.finished_early or self.inflight
-        return bool(busy) or any(not r.grammar_pending for r in self.parked.values())
+        # Compile answers read during the last step (GrammarClient.wait) wake no poll: take them in the next loop.
+        answers = self.grammar is not None and self.grammar.has_answers
+        return bool(busy) or answers or self._has_ready
 
     @torch.inference_mode()
     def step(self) -> BatchTokenOut | None:
@@ -312,11 +314,12 @@ class Scheduler:
     def _launch_forward(self) -> _Forward | None:
         """Pick a batch and launch its forward (on a GPU the call returns before the forward is done)."""
         picked: list[tuple[Req, int]] = []
-        ready = self._take_ready()
         if self._may_prefill():
             # Parked requests hold KV and will decode: admission reserves room for them as for running ones.
-            holders = self.running + list(self.parked.values()) + ready if self.parked or ready else self.running
-            self.admission.pending_room = self.max_parked - len(self.parked)
+            holders = self.running + list(self.parked.values()) if self.parked else self.running
+            chunked = self.admission.chunked
+            parking = len(self.parked) + (chunked is not None and chunked.grammar_pending)
+            self.admission.pending_room = self.max_parked - parking
             picked = self.admission.schedule_prefill(holders)
         if self.admission.failed:
             self.finished_early += self.admission.failed
@@ -332,7 +335,7 @@ class Scheduler:
             # Only requests whose whole prompt is now in the cache sample a token; riders' rows come last.
             prompted = [r for r, _ in picked]
             completed = [r for r in prompted if r.kv_len == len(r.fill_ids) and not r.grammar_pending]
-            reqs, sampling = prompted + riders + ready, completed + riders + ready
+            reqs, sampling = prompted + riders, completed + riders
             self.stats["prompt_tokens"] += sum(n for _, n in picked)
             self.stats["mixed_decode_rows"] += len(riders)
         elif any(r.finished is None for r in self.running):
@@ -344,19 +347,28 @@ class Scheduler:
                     if self.grammar is not None:
                         self.grammar.release_slot(req.rid)
             # Not those finished since the last step's output (a grammar rejection): they leave `running` next.
-            reqs = [r for r in self.running if r.finished is None]
+            reqs = sampling = [r for r in self.running if r.finished is None]
             batch = self.batches.decode(reqs)
             self.phases.decoding(len(reqs))
-            reqs = sampling = reqs + ready if ready else reqs
-        elif ready:  # only parked requests to sample: no forward
-            reqs = sampling = ready
+        elif self._has_ready:  # only parked requests to sample: no forward
+            reqs = sampling = []
         else:
             # Nothing runs and the waiting queue cannot go on (parked requests hold the rows or the KV it needs):
             # wait for a compile answer or a new message instead of spinning.
             self._stalled = bool(self.parked)
             return None
         self._stalled = False
-        self.running += ready  # they decode from the next step on
+        # Taken once the batch is built (nothing before this joins them to `running`, where abort_all finds them):
+        # their saved rows follow the batch's own, and they decode from the next step on.
+        ready = self._take_ready()
+        if ready:
+            if sampling is reqs:  # every row samples (`_sampling_rows` tells by identity)
+                reqs = sampling = reqs + ready
+            else:
+                reqs, sampling = reqs + ready, sampling + ready
+            self.running += ready
+            if self.lora is not None:
+                self.running.sort(key=lambda r: r.lora_slot)
         grammar = None
         if not self.overlap:  # every input token is known: masks are filled while the model runs
             grammar = self._masks_for(self._grammar_rows(reqs, sampling))
@@ -396,6 +408,11 @@ class Scheduler:
             raise
         self.stats["forward_steps"] += 1
         return logits
+
+    @property
+    def _has_ready(self) -> bool:
+        """A parked request's grammar is ready: a step must sample it."""
+        return any(not r.grammar_pending and r.finished is None for r in self.parked.values())
 
     def _take_ready(self) -> list[Req]:
         """The parked requests whose grammar is ready, out of `parked`: this step samples them from their saved

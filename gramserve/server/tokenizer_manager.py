@@ -250,7 +250,8 @@ class TokenizerManager:
             on_loop = False
         if on_loop:
             self._send_prefetch(grammar)
-        else:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed (shutting down): a hint, nothing to do
             self._loop.call_soon_threadsafe(self._send_prefetch, grammar)
 
     def _send_prefetch(self, grammar: GrammarRequest) -> None:
