@@ -250,13 +250,17 @@ def test_new_grammars_park_their_logits_under_both_loops(base_url, overlap_url, 
             "grammar_backend": "llguidance",  # the same masks both times (auto may switch a grammar's backend)
         }
 
-    free = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    free = {"model": model_name, "prompt": "Once upon a time", "max_tokens": 160, "temperature": 0, "ignore_eos": True}
 
     async def run(url: str, bodies: list[dict]) -> list[dict]:
+        """The constrained requests one at a time while two free ones decode: each arrives alone, so the step that
+        takes it in prefills it while its grammar compiles (when its grammar is new), and a decode step of the free
+        requests then samples its parked row."""
         async with httpx.AsyncClient(timeout=300) as client:
-            frees = [client.post(url + "/v1/completions", json=free) for _ in range(2)]
-            asks = [client.post(url + "/v1/chat/completions", json=b) for b in bodies]
-            rs = await asyncio.gather(*frees, *asks)
+            frees = [asyncio.create_task(client.post(url + "/v1/completions", json=free)) for _ in range(2)]
+            await asyncio.sleep(0.5)
+            asks = [await client.post(url + "/v1/chat/completions", json=b) for b in bodies]
+            rs = [await f for f in frees] + asks
         for r in rs:
             assert r.status_code == 200, r.text
         return [r.json()["choices"][0] for r in rs[2:]]
