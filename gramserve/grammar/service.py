@@ -308,12 +308,16 @@ class GrammarService:
         if not f.challenger:  # requests wait for this one: answer them as soon as it compiles
             relaxed = backend.endswith(RELAXED)
             return CompileResult(compile_grammar(self.backend(backend), grammar, relaxed), "compiled")
-        incumbent, incumbent_compiled = f.best
+        incumbent, _ = f.best
         # Not while the grammar's first requests take their first tokens (their fills would wait for the GIL).
         time.sleep(CHALLENGE_DELAY_S)
         f.started = time.monotonic()
+        # Probed on a compile of its own: matchers copied from one llguidance prototype share its lexer, and a walk
+        # that ran it into a lexer limit would fail the requests it serves (a token its mask allowed then refused).
+        served = self.backend(incumbent)
+        incumbent_compiled = compile_grammar(served, grammar, incumbent.endswith(RELAXED))
         # A quick look first (a few ms): is the backend serving it cheap enough to stop at?
-        quick_us = probe_fill_us(self.backend(incumbent), incumbent_compiled)
+        quick_us = probe_fill_us(served, incumbent_compiled)
         if quick_us <= SWITCH_FILL_US:
             f.probes[incumbent] = round(quick_us, 2)
             return CompileResult(None, "skipped")
