@@ -6,7 +6,9 @@ the shapes of Llama-3.1-8B and Llama-3.2-1B:
 
 1. decode at batch 1: time per output token (median scheduler step) vs the roofline, i.e. the bytes of
    weights read per token / the device-to-device copy bandwidth measured in the same run;
-2. throughput: N requests (default 1,000) with ShareGPT-like random lengths, all submitted at once: output tok/s;
+2. throughput: N requests (default 1,000) with ShareGPT-like random lengths, all submitted at once: output tok/s
+   (`--workload serving`: instead the very requests bench_serving.py's random dataset sends for the same seed and
+   lengths, so an HTTP burst has its in-process twin);
 3. HF transformers on a subset of the same prompts (batched `generate`, and `generate_batch` where it exists)
    and gramserve on the same subset: the ratio;
 4. JSON-schema-constrained vs unconstrained decode tok/s at batch 1, 32 and 256 (bitmask applied on the GPU;
@@ -120,6 +122,14 @@ def workload(n: int, seed: int, vocab: int, in_mean=200, out_mean=180) -> list[t
         n_in, n_out = draw(in_mean, 1024), draw(out_mean, 512)
         out.append(([rng.randrange(100, vocab) for _ in range(n_in)], n_out))
     return out
+
+
+def serving_workload(n: int, seed: int, input_len: int, output_len: int, range_ratio: float):
+    """bench_serving.py's random requests for the same arguments (its default vocabulary range)."""
+    from bench_serving import sample_requests
+
+    reqs = sample_requests(n, input_len, output_len, range_ratio, 100, 40000, random.Random(seed))
+    return [(r.prompt_ids, r.output_len) for r in reqs]
 
 
 class Engine:
@@ -694,12 +704,23 @@ def main() -> None:
     p.add_argument("--grammar-models", default="llama-3.1-8b,llama-3.2-1b")
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--hf-requests", type=int, default=128)
+    p.add_argument(
+        "--workload",
+        default="sharegpt",
+        choices=["sharegpt", "serving"],
+        help="throughput requests: ShareGPT-like lengths, or bench_serving.py's random dataset (the options below)",
+    )
+    p.add_argument("--serving-input-len", type=int, default=400)
+    p.add_argument("--serving-output-len", type=int, default=360)
+    p.add_argument("--serving-range-ratio", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=0, help="the workload's seed (bench_serving.py's --seed)")
     p.add_argument("--attention-backends", default="torch,flashinfer,triton")
     p.add_argument("--attention-backend", default="auto", help="the engine's backend")
     p.add_argument("--max-running-requests", type=int, default=None, help="default: the server's for the device")
     p.add_argument("--chunked-prefill-size", type=int, default=None, help="default: the server's for the device")
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="default: the server's for the device")
     p.add_argument("--overlap-schedule", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--quantization", default="none", choices=["none", "fp8"], help="the server's --quantization")
     p.add_argument("--grammar-shards", type=int, default=None, help="default: the server's for the device")
     p.add_argument(
         "--no-busy-poll",
@@ -769,7 +790,12 @@ def main() -> None:
         model_json = os.path.join(args.assets, f"{name}.json")
         cfg = json.load(open(model_json))
         vocab = 49152  # the tokenizer's vocabulary: prompts stay inside it
-        reqs = workload(args.num_requests, 0, vocab)
+        if args.workload == "serving":
+            reqs = serving_workload(
+                args.num_requests, args.seed, args.serving_input_len, args.serving_output_len, args.serving_range_ratio
+            )
+        else:
+            reqs = workload(args.num_requests, args.seed, vocab)
         hf_subset = reqs[: args.hf_requests]
         hf_out = round(statistics.mean(n for _, n in reqs))
         engine_kw = dict(
@@ -778,6 +804,7 @@ def main() -> None:
             chunked_prefill_size=args.chunked_prefill_size,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             grammar_shards=args.grammar_shards,
+            quantization=args.quantization,
         )
         engine_kw = {k: v for k, v in engine_kw.items() if v is not None}  # the rest: ServerArgs' device defaults
         if args.compare_plain:

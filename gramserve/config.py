@@ -95,6 +95,7 @@ class ServerArgs:
     port: int = 30000
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (fp32 on CPU, bf16 on GPU) | float32 | bfloat16 | float16
+    quantization: str = "none"  # none | fp8 (the decoder's projections in e4m3, model/fp8_linear.py)
     attention_backend: str = "auto"  # auto | torch | flashinfer | triton | flashinfer_triton (see --help)
     sampling_backend: str = "auto"  # auto (flashinfer on CUDA when installed) | torch | flashinfer
     context_length: int | None = None  # defaults to the model's max_position_embeddings
@@ -331,6 +332,16 @@ class ServerArgs:
         parser.add_argument("--port", type=int, default=defaults.port)
         parser.add_argument("--device", default=defaults.device, choices=["auto", "cpu", "cuda"])
         parser.add_argument("--dtype", default=defaults.dtype, choices=["auto", "float32", "bfloat16", "float16"])
+        parser.add_argument(
+            "--quantization",
+            default=defaults.quantization,
+            choices=["none", "fp8"],
+            help="fp8: the decoder's projections (q/k/v, o, gate/up, down) in float8 e4m3 with a scale per output "
+            "channel, made from the model's weights at load; activations quantized per token at each matmul. Half "
+            "the weight memory and up to twice bf16's matmul rate on Hopper GPUs (compute capability 9.0), some "
+            "rounding of the model's outputs. Embeddings, norms and lm_head keep --dtype. On a CPU it runs, slowly "
+            "(for tests)",
+        )
         parser.add_argument(
             "--attention-backend",
             default=defaults.attention_backend,

@@ -37,6 +37,7 @@ class RunnerConfig:
     load_format: str = "auto"  # auto | dummy
     device: str = "cpu"  # cpu | cuda
     dtype: str = "float32"  # float32 | bfloat16 | float16
+    quantization: str = "none"  # none | fp8 (model/fp8_linear.py)
     attention_backend: str = "torch"  # torch | flashinfer | triton | flashinfer_triton
     context_length: int | None = None  # None: the model's max_position_embeddings
     kv_cache_memory_gb: float | None = None  # KV pool budget; None: a share of free memory
@@ -79,6 +80,7 @@ class RunnerInfo:
     lora_rank: int = 0  # the pool's rank (max rank rounded up to 16)
     lora_pool_mib: float = 0.0
     tp_size: int = 1
+    quantization: str = "none"  # none | fp8
 
 
 class ModelRunner:
@@ -107,6 +109,8 @@ class ModelRunner:
             self.model.init_dummy_weights(cfg.seed)
         else:
             self._load_safetensors(path)
+        if cfg.quantization == "fp8":  # before the KV pool is sized: it gets the memory the float weights held
+            self._use_fp8_weights()
 
         self.lora_pool: LoRAPool | None = None
         if cfg.lora_slots > 0:  # before the KV cache is sized: the pool's memory is not the KV cache's
@@ -158,6 +162,7 @@ class ModelRunner:
             self.info.lora_slots, self.info.lora_rank = cfg.lora_slots, self.lora_pool.rank
             self.info.lora_pool_mib = round(self.lora_pool.nbytes / 2**20, 1)
         self.info.tp_size = self.tp.size
+        self.info.quantization = cfg.quantization
         # Tensor parallelism: rank 0 sends every step to the others (model/tp_step.py).
         self.step_sender = self.step_receiver = None
         if self.tp.size > 1:  # every rank at once: they exchange the channel's addresses
@@ -183,7 +188,7 @@ class ModelRunner:
     def _use_cpu_kernels(self, kind: str) -> str:
         """float32 on a CPU: norms, decode attention and (where blocks exist) decode matmuls through the kernel
         library. Returns what the decode runs on, for RunnerInfo and the log."""
-        if self.device.type != "cpu" or self.dtype != torch.float32:
+        if self.device.type != "cpu" or self.dtype != torch.float32 or self.cfg.quantization != "none":
             return "torch"
         from gramserve.model import cpu_kernels
         from gramserve.model.quant_weights import gguf_blocks, quantize_q8_0
@@ -211,6 +216,16 @@ class ModelRunner:
         nbytes = sum(b.nbytes for b in blocks.values())
         logger.info("CPU decode: %d projections read %s blocks (%.0f MB)", swapped, source, nbytes / 2**20)
         return f"kernels+{source}"
+
+    def _use_fp8_weights(self) -> None:
+        from gramserve.model.fp8_linear import check_fp8_device, use_fp8_weights
+
+        check_fp8_device(self.device, self.dtype)
+        t0 = time.time()
+        swapped, kept = use_fp8_weights(self.model)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the float weights' memory goes back to the device, for the KV pool
+        logger.info("--quantization fp8: %d projections in e4m3 (%.1f s)", swapped, time.time() - t0)
 
     def _build_model(self) -> LlamaForCausalLM:
         # Built on the meta device so that no time goes into random init of weights we overwrite.

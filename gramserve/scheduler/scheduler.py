@@ -84,6 +84,7 @@ def runner_config(config: ServerConfig, tp: TPConfig = TPConfig()) -> RunnerConf
         load_format=args.load_format,
         device=settings.device,
         dtype=settings.dtype,
+        quantization=args.quantization,
         attention_backend=settings.attention_backend,
         context_length=args.context_length,
         kv_cache_memory_gb=args.kv_cache_memory_gb,

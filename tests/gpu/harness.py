@@ -57,6 +57,7 @@ def make_runner(
     lora_slots: int = 0,
     max_lora_rank: int = 16,
     prefill_graph_tokens: int = 0,
+    quantization: str = "none",
 ) -> tuple[ModelRunner, "Harness"]:
     config = RunnerConfig(
         model_path=config_path,
@@ -72,6 +73,7 @@ def make_runner(
         max_running_requests=max_reqs,
         lora_slots=lora_slots,
         max_lora_rank=max_lora_rank,
+        quantization=quantization,
     )
     runner = ModelRunner(config)
     harness = Harness(runner, max_reqs)
