@@ -408,6 +408,14 @@ def run_corpus(
 _COMPILE_SLACK_S = 0.5
 
 
+def _integral(checker, value) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, Decimal):
+        return value.is_finite() and value == value.to_integral_value()
+    return isinstance(value, int)
+
+
 def instance_error(schema: Any, text: str) -> str | None:
     """Why the output `text` breaks `schema` (the draft its `$schema` names, formats checked, numbers as Decimals),
     or None when it validates or cannot be checked here (a number Python will not read, a schema the validator
@@ -417,7 +425,9 @@ def instance_error(schema: Any, text: str) -> str | None:
         schema = json.loads(json.dumps(schema), parse_float=Decimal)
         cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
         # ECMA-262 patterns (\p{L}) through the `regex` module, as the server's check does: `re` cannot read them.
-        cls = jsonschema.validators.extend(cls, CHECK_KEYWORDS)
+        # JSON Schema calls 5.0 an integer; numbers read as Decimals are only "number" to the default type checker.
+        types = cls.TYPE_CHECKER.redefine("integer", _integral)
+        cls = jsonschema.validators.extend(cls, CHECK_KEYWORDS, type_checker=types)
         error = next(iter(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(instance)), None)
     except PatternTimeout:
         return None  # a pattern that backtracks past its time limit: not checkable here

@@ -86,6 +86,9 @@ HARD_SCHEMAS: dict[str, dict] = {
         "maxProperties": 2,
     },
     "number_bounds": {"type": "number", "exclusiveMinimum": 0, "maximum": 1.5, "multipleOf": 0.25},
+    "narrow_exclusive_range": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 0.001},
+    "times": {"type": "array", "items": {"type": "string", "format": "time"}, "minItems": 3, "maxItems": 3},
+    "optional_group_pattern": {"type": "string", "pattern": "^a(b\\d+)?Z$"},
     "formats": {
         "type": "object",
         "properties": {

@@ -1,6 +1,6 @@
 """Patterns read one way by the grammars, the last check and jsonschema (Python's `re`): POSIX classes, nested
-classes, Rust's class set operators and \\A / \\Z made to mean what `re` reads (a random-weight model wrote
-"orumG" for `^[[:alpha:]]+$`, which llguidance and the check read as letters and jsonschema refuses).
+classes, Rust's class set operators, \\A / \\Z and optional groups made to mean what `re` reads (a random-weight
+model wrote "orumG" for `^[[:alpha:]]+$`, which llguidance and the check read as letters and jsonschema refuses).
 GrammarService with the real backends; no model."""
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ CASES = [  # pattern, a string re matches, a string the other dialects would hav
     (r"^[a-z&&[^aeiou]]{1,4}$", "&]", "bcd"),
     (r"\A[0-9]{1,3}\Z", "575", "575Z"),
     (r"^[]a]{2}$", "]a", "ab"),
+    # xgrammar 0.2.9 made each part of an optional group optional when one part repeats (found by a probe as a user)
+    (r"^a(bc+)?Z$", "abccZ", "acZ"),
+    (r"^\+?(?:1[0-9]{1,2})?-\d{3}$", "+12-345", "+2-345"),
 ]
 
 

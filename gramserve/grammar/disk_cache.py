@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 PERSISTED_BACKENDS = ("outlines",)
 PACKAGE_OF = {"outlines": "outlines_core", "xgrammar": "xgrammar", "llguidance": "llguidance"}
-FORMAT = "1"  # bump when what is stored changes
+FORMAT = "2"  # bump when what is stored changes, or how a grammar is rewritten before it compiles (schema_normalize)
 
 
 def default_cache_dir() -> str:

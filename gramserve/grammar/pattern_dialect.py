@@ -9,7 +9,10 @@ reads `\\Z` as the letter Z. `for_backends` rewrites a pattern so every engine r
 - an unescaped `[` inside a class (a nested class or a POSIX class to Rust and `regex`) is escaped;
 - `&&` and `~~` inside a class (Rust's intersection and symmetric difference) are escaped;
 - `\\A` becomes `^`, `\\Z` and `\\z` become `$` (anchors to `re`, as schema authors mean them: AWS's CloudFormation
-  schemas write `\\A...\\Z`).
+  schemas write `\\A...\\Z`);
+- an optional group `(...)?` becomes `(...){0,1}`, the same to every engine: xgrammar 0.2.9 made each part of an
+  optional group optional on its own when one part repeats (`^a(bc+)?Z$` let "acZ" through, `^a(b\\d+)?Z$`
+  "a1Z"), and reads `{0,1}` right.
 
 `problem` names what cannot be rewritten so: `\\p` or `\\P` without braces (a class to Rust and `regex`, the letter
 p to ECMA-262, an error to `re`).
@@ -50,6 +53,10 @@ def for_backends(pattern: str) -> str:
                 continue
             out.append(c)
             i += 1
+            continue
+        if c == ")" and pattern.startswith("?", i + 1):
+            out.append("){0,1}")
+            i += 2
             continue
         out.append(c)
         i += 1

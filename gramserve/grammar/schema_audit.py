@@ -196,6 +196,8 @@ def unenforced(backend: str, schema_text: str) -> list[str]:
         if backend == "llguidance" and _integer_bound_past_float(node):
             # llguidance 1.9.1 reads bounds as doubles: maximum 9007199254740999 let 9007199254741000 through
             found.add("integer bounds past 2**53")
+        if backend == "llguidance" and _exclusive_whole_bound_within_one(node):
+            found.add("a number range within 1 of a whole exclusive bound")
         if backend != "xgrammar":
             continue  # llguidance rejects at compile time what it cannot enforce
         found |= XGRAMMAR_UNENFORCED & node.keys()
@@ -231,6 +233,29 @@ def _integer_bound_past_float(node: dict) -> bool:
         return False
     bounds = (node.get(k) for k in _NUMERIC_BOUNDS)
     return any(isinstance(b, (int, float)) and not isinstance(b, bool) and abs(b) > 2**53 for b in bounds)
+
+
+def _exclusive_whole_bound_within_one(node: dict) -> bool:
+    """A number range with a whole exclusive bound and its other bound less than 1 away. llguidance 1.9.1 let the
+    bound itself through when it is the end nearer zero: exclusiveMinimum 0 with exclusiveMaximum 0.001 (or
+    maximum 0.5) gave 0, exclusiveMinimum 100 with maximum 100.9 gave 100, minimum -5.5 with exclusiveMaximum -5
+    gave -5, and (-0.001, 0) gave -0; xgrammar keeps them out. Flagged at either end, and at a distance of exactly
+    1, to be safe. Integer-only nodes are not affected."""
+    if node.get("type") in ("integer", ["integer"]):
+        return False
+    lo = _bound(node, "minimum"), _bound(node, "exclusiveMinimum")
+    hi = _bound(node, "maximum"), _bound(node, "exclusiveMaximum")
+    for strict, others in ((lo[1], hi), (hi[1], lo)):
+        if strict is None or not float(strict).is_integer():
+            continue
+        if any(other is not None and abs(other - strict) <= 1 for other in others):
+            return True
+    return False
+
+
+def _bound(node: dict, key: str) -> int | float | None:
+    value = node.get(key)
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _format_unenforced_by_xgrammar(node: dict) -> bool:
