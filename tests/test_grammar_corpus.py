@@ -584,19 +584,22 @@ UNENFORCED_CASES = {
     "narrow_exclusive_above": ({"type": "number", "exclusiveMinimum": 100, "maximum": 100.9}, 100),
     "narrow_exclusive_negative": ({"type": "number", "minimum": -5.5, "exclusiveMaximum": -5}, -5),
     # both backends' date and time formats let through values the last check refuses (schema_normalize.
-    # calendar_patterns): the second 60 at any hour, February 29 of a common year, April 31, the year 0
+    # format_patterns): the second 60 at any hour, February 29 of a common year, April 31, the year 0
     "leap_second_time": ({"type": "string", "format": "time"}, "10:19:60Z"),
     "leap_second_date_time": ({"type": "string", "format": "date-time"}, "9606-11-19T06:48:60Z"),
     "february_29_common_year": ({"type": "string", "format": "date"}, "2021-02-29"),
     "april_31": ({"type": "string", "format": "date-time"}, "2020-04-31T00:00:00Z"),
     "year_zero": ({"type": "string", "format": "date"}, "0000-01-01"),
+    "ipv4_leading_zero": ({"type": "string", "format": "ipv4"}, "62.60.2.04"),
+    "hostname_long_label": ({"type": "string", "format": "hostname"}, "a" * 64 + ".com"),
 }
 
 
 @pytest.mark.parametrize("name", ["llguidance", "xgrammar"])
-def test_calendar_formats_serve_real_dates_and_times(tokenizer, name):
-    """Dates and times through the service's compile (calendar_patterns): leap days of leap years, month ends,
-    fractions and offsets are allowed; and 300 random walks each end in a value the last check accepts."""
+def test_patterned_formats_serve_values_the_check_accepts(tokenizer, name):
+    """Dates, times, IPv4 addresses and host names through the service's compile (format_patterns): leap days of
+    leap years, month ends, fractions, offsets, edge octets and labels are allowed; and 300 random walks each end in
+    a value the last check accepts."""
     import random
 
     from gramserve.grammar.compile_process import compile_grammar
@@ -609,6 +612,8 @@ def test_calendar_formats_serve_real_dates_and_times(tokenizer, name):
         "date": ["2020-02-29", "2000-02-29", "0400-02-29", "1900-02-28", "2021-12-31", "0001-01-01"],
         "time": ["00:00:00Z", "23:59:59.123456+05:30", "12:30:00-08:00"],
         "date-time": ["2024-02-29T23:59:59Z", "1999-11-30T00:00:00.5+14:00"],
+        "ipv4": ["0.0.0.0", "255.255.255.255", "10.1.20.199"],
+        "hostname": ["a", "example.com", "mail.example.co.uk", "xn--bcher-kva.example", "x" * 62 + ".io"],
     }
     bitmask = allocate_bitmask(1, b.vocab_size)
     row = bitmask[0].numpy()
@@ -617,17 +622,22 @@ def test_calendar_formats_serve_real_dates_and_times(tokenizer, name):
         compiled = compile_grammar(b, GrammarRequest(kind="json_schema", text=json.dumps(schema), backend=name))
         for v in values:
             assert accepts(b, compiled, json.dumps(v), tokenizer, check_mask=False), (fmt, v)
+        finished = 0
         for seed in range(300):
             rng, m, ids = random.Random(seed), b.matcher(compiled), []
-            while len(ids) < 60:
+            while len(ids) < 150:
                 m.fill_bitmask(bitmask, 0)
                 token = random_allowed_token(row, rng)
                 assert token is not None and m.accept_token(token)
                 if token in b.eos_token_ids:
                     break
                 ids.append(token)
+            else:
+                continue  # still open: nothing to check
+            finished += 1
             text = tokenizer.decode(ids)
             assert instance_error(schema, text) is None, (fmt, text)
+        assert finished >= 250, (fmt, finished)
 
 
 @pytest.mark.parametrize("case", sorted(UNENFORCED_CASES))

@@ -48,8 +48,8 @@ from gramserve.grammar.schema_normalize import (
     aligned_multiple_bounds,
     anchor_patterns,
     bound_unbounded,
-    calendar_patterns,
     drop_ref_annotations,
+    format_patterns,
     hoist_deep_refs,
     integral_counts,
     rewrite_not,
@@ -155,15 +155,15 @@ def _normalized_tag(text: str, backend: GrammarBackend, relaxed: bool) -> str:
 def _normalized(schema: object, backend: GrammarBackend, relaxed: bool) -> tuple[object, list[str]]:
     """Annotations beside references dropped (drop_ref_annotations), references into rewritten keywords pointed at
     copies (hoist_deep_refs), `not` stated positively where it can be (rewrite_not), counts written as floats made
-    ints (integral_counts), bounds next to `multipleOf` moved onto multiples (aligned_multiple_bounds), date and time
-    formats written as patterns the last check accepts (calendar_patterns), unbounded
+    ints (integral_counts), bounds next to `multipleOf` moved onto multiples (aligned_multiple_bounds), date, time,
+    IPv4 and host name formats written as patterns the last check accepts (format_patterns), unbounded
     strings and arrays bounded if the server asks (bound_unbounded), and with
     `relaxed` what no grammar enforces taken out (schema_relax.relax); then, for a backend that searches for
     patterns, unanchored patterns anchored at the start (anchor_patterns); patterns as Python's `re` reads them
     (pattern_dialect). Returns the schema (the same object if unchanged) and what was dropped."""
     options = backend.options
     rewritten = integral_counts(rewrite_not(hoist_deep_refs(drop_ref_annotations(schema))))
-    rewritten = calendar_patterns(aligned_multiple_bounds(rewritten))
+    rewritten = format_patterns(aligned_multiple_bounds(rewritten))
     rewritten = bound_unbounded(rewritten, options.max_string_length, options.max_array_items)
     dropped: list[str] = []
     if relaxed:

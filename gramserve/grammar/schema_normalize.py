@@ -195,39 +195,49 @@ def _unanchored(pattern: Any) -> bool:
     )
 
 
-# RFC 3339 dates and times as the last check (jsonschema's format checker) accepts them, as regexes: the days of each
-# month, February 29 in leap years only (a multiple of 4, of 400 for whole centuries), years 0001-9999, seconds
-# 00-59 (the checker refuses the leap second 60, which both backends' own formats allow), at most six fraction
-# digits, upper-case T and Z. 300,000 random strings found none that matches and fails the check.
+# String formats as the last check (jsonschema's format checker) accepts them, written as regexes.
+# Dates and times (RFC 3339): the days of each month, February 29 in leap years only (a multiple of 4, of 400 for
+# whole centuries), years 0001-9999, seconds 00-59 (the checker refuses the leap second 60), at most six fraction
+# digits, upper-case T and Z; 300,000 random strings found none that matches and fails the check.
 _YEAR = r"(?:000[1-9]|00[1-9]\d|0[1-9]\d\d|[1-9]\d{3})"
 _BY_FOUR = r"(?:0[48]|[2468][048]|[13579][26])"
 _DATE = (
     rf"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\d|30)"
     rf"|02-(?:0[1-9]|1\d|2[0-8]))|(?:\d\d{_BY_FOUR}|{_BY_FOUR}00)-02-29)"
 )
-_TIME = r"(?:[01]\d|2[0-3]):[0-5]\d:[0-5]\d(?:\.\d{1,6})?(?:Z|[+-](?:[01]\d|2[0-3]):[0-5]\d)"
-CALENDAR_PATTERNS = {"date": f"^{_DATE}$", "time": f"^{_TIME}$", "date-time": f"^{_DATE}T{_TIME}$"}
+_TIME = r"(?:[01]\d|2[0-3]):[0-5]\d:[0-5]\d(?:\.\d{1,6}){0,1}(?:Z|[+-](?:[01]\d|2[0-3]):[0-5]\d)"
+# IPv4 without leading zeros (the checker's ipaddress refuses "06"); host names of at most 4 labels of 1-62 letters,
+# digits and inner hyphens (at most 251 characters: the checker's limits are 63 a label and 253 in all).
+_OCTET = r"(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]\d|\d)"
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,60}[A-Za-z0-9]){0,1}"
+FORMAT_PATTERNS = {
+    "date": f"^{_DATE}$",
+    "time": f"^{_TIME}$",
+    "date-time": f"^{_DATE}T{_TIME}$",
+    "ipv4": rf"^(?:{_OCTET}\.){{3}}{_OCTET}$",
+    "hostname": rf"^{_LABEL}(?:\.{_LABEL}){{0,3}}$",
+}
 
 
-def calendar_patterns(schema: Any) -> Any:
-    """A copy of `schema` in which a string `format` date, time or date-time (with no `pattern` of its own) is
-    written as the pattern above: a subset of the format that the last check always accepts. Both backends' own
-    formats let through values it refuses: the second 60 at any hour (llguidance and xgrammar), February 29 of any
-    year (both), April 31 and February 30 (xgrammar), the year 0000. `schema` itself when no node has such a
-    format."""
-    if not isinstance(schema, dict) or not any(_calendar_format(node) for node in _subschemas(schema)):
+def format_patterns(schema: Any) -> Any:
+    """A copy of `schema` in which a string `format` of FORMAT_PATTERNS (with no `pattern` of its own) is written as
+    its pattern: a subset of the format that the last check always accepts. The backends' own formats let through
+    values it refuses: the second 60 at any hour (llguidance and xgrammar), February 29 of any year (both), April
+    31 and February 30 (xgrammar), the year 0000, IPv4 octets with leading zeros (xgrammar), host name labels past
+    63 characters (both). `schema` itself when no node has such a format."""
+    if not isinstance(schema, dict) or not any(_patterned_format(node) for node in _subschemas(schema)):
         return schema
     out = copy.deepcopy(schema)
     for node in _subschemas(out):
-        if _calendar_format(node):
-            node["pattern"] = CALENDAR_PATTERNS[node.pop("format")]
+        if _patterned_format(node):
+            node["pattern"] = FORMAT_PATTERNS[node.pop("format")]
     return out
 
 
-def _calendar_format(node: dict) -> bool:
+def _patterned_format(node: dict) -> bool:
     types = node.get("type", "string")
     is_string = types == "string" or (isinstance(types, list) and "string" in types)
-    return node.get("format") in CALENDAR_PATTERNS and "pattern" not in node and is_string
+    return node.get("format") in FORMAT_PATTERNS and "pattern" not in node and is_string
 
 
 # Keywords whose value JSON Schema requires to be a non-negative integer; 2.0 is one (a number with a zero fraction).
