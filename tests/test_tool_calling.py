@@ -478,6 +478,9 @@ def test_history_with_tool_results(client, model_name):
         # OpenAI's deprecated form: a forced call must not be dropped silently (it answered in plain text)
         ({"functions": [WEATHER["function"]], "function_call": {"name": "get_weather"}}, "functions"),
         ({"function_call": "auto"}, "function_call"),
+        # booleans are booleans (pydantic's lax mode read "yes" as true; OpenAI answers 400)
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, None),
+        ({"tools": [{"type": "function", "function": {**WEATHER["function"], "strict": "yes"}}]}, None),
         # a schema no backend can serve is the tools' fault, not response_format's
         (
             {

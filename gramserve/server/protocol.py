@@ -128,7 +128,7 @@ class FunctionDefinition(BaseModel):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
+    strict: Optional[StrictBool] = None  # "yes" is a 400, as at OpenAI
 
 
 class ChatTool(BaseModel):
@@ -154,7 +154,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[int] = None
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     separate_reasoning: bool = True  # SGLang: put the reasoning phase in reasoning_content
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_generation_prompt: bool = True
