@@ -455,6 +455,24 @@ def test_multiple_eos_ids(tokenizer, name):
     assert m.accept_token(0) and m.is_terminated()
 
 
+def random_walk(backend, compiled, bitmask, seed: int, max_tokens: int) -> list[int] | None:
+    """A walk through uniformly random allowed tokens (what random weights at temperature 1 do): its ids up to EOS,
+    or None if it is still open after max_tokens."""
+    import random
+
+    from gramserve.grammar.fill_probe import random_allowed_token
+
+    rng, m, ids, row = random.Random(seed), backend.matcher(compiled), [], bitmask[0].numpy()
+    for _ in range(max_tokens):
+        m.fill_bitmask(bitmask, 0)
+        token = random_allowed_token(row, rng)
+        assert token is not None and m.accept_token(token)
+        if token in backend.eos_token_ids:
+            return ids
+        ids.append(token)
+    return None
+
+
 SPEED_SUITE = Path(__file__).parents[1] / "benchmarks" / "speed_suite"
 # Bounded schemas, so that random walks end (an unbounded string or an email's domain rarely does).
 BOUNDED_SCHEMAS = [
@@ -492,31 +510,21 @@ def test_random_walks_over_suite_schemas_stay_valid(tokenizer, name):
     validates against the schema. Regressions: xgrammar let raw control characters (a tab, \\x07) into strings
     with maxLength; llguidance refused EOS ids past the tokenizer (a model config served with a borrowed tokenizer:
     those ids stay allowed at the end but never go to llguidance)."""
-    import random
 
     import jsonschema
 
-    from gramserve.grammar.fill_probe import random_allowed_token
     from gramserve.grammar.schema_audit import unenforced
 
     b = get_backend(tokenizer, name, extra=EXTRA_COLUMNS, eos=(EOS, len(tokenizer) + 5))
     bitmask = allocate_bitmask(1, b.vocab_size)
-    row = bitmask[0].numpy()
     for i, schema in enumerate(BOUNDED_SCHEMAS):
         if unenforced(name, json.dumps(schema)):
             continue  # the service refuses this pair (outlines and numeric bounds)
         compiled = b.compile(GrammarSpec("json_schema", json.dumps(schema)))
         finished = 0
         for seed in range(12):
-            rng, m, ids = random.Random(seed), b.matcher(compiled), []
-            for _ in range(400):
-                m.fill_bitmask(bitmask, 0)
-                token = random_allowed_token(row, rng)
-                assert token is not None and m.accept_token(token)
-                if token in b.eos_token_ids:
-                    break
-                ids.append(token)
-            else:
+            ids = random_walk(b, compiled, bitmask, seed, 400)
+            if ids is None:
                 continue  # still open after 400 tokens: nothing to validate
             finished += 1
             text = tokenizer.decode(ids)
@@ -600,10 +608,8 @@ def test_patterned_formats_serve_values_the_check_accepts(tokenizer, name):
     """Dates, times, IPv4 addresses and host names through the service's compile (format_patterns): leap days of
     leap years, month ends, fractions, offsets, edge octets and labels are allowed; and 300 random walks each end in
     a value the last check accepts."""
-    import random
 
     from gramserve.grammar.compile_process import compile_grammar
-    from gramserve.grammar.fill_probe import random_allowed_token
     from gramserve.messages import GrammarRequest
     from tests.grammar_eval import instance_error
 
@@ -616,7 +622,6 @@ def test_patterned_formats_serve_values_the_check_accepts(tokenizer, name):
         "hostname": ["a", "example.com", "mail.example.co.uk", "xn--bcher-kva.example", "x" * 62 + ".io"],
     }
     bitmask = allocate_bitmask(1, b.vocab_size)
-    row = bitmask[0].numpy()
     for fmt, values in allowed.items():
         schema = {"type": "string", "format": fmt}
         compiled = compile_grammar(b, GrammarRequest(kind="json_schema", text=json.dumps(schema), backend=name))
@@ -624,15 +629,8 @@ def test_patterned_formats_serve_values_the_check_accepts(tokenizer, name):
             assert accepts(b, compiled, json.dumps(v), tokenizer, check_mask=False), (fmt, v)
         finished = 0
         for seed in range(300):
-            rng, m, ids = random.Random(seed), b.matcher(compiled), []
-            while len(ids) < 150:
-                m.fill_bitmask(bitmask, 0)
-                token = random_allowed_token(row, rng)
-                assert token is not None and m.accept_token(token)
-                if token in b.eos_token_ids:
-                    break
-                ids.append(token)
-            else:
+            ids = random_walk(b, compiled, bitmask, seed, 150)
+            if ids is None:
                 continue  # still open: nothing to check
             finished += 1
             text = tokenizer.decode(ids)
